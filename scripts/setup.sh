@@ -3,6 +3,7 @@
 # .venv         torch 2.13.0 CPU (from this machine's disk) + vLLM's CPU build + the training stack
 # .venv-sglang  SGLang 0.5.23's modules (its own torch 2.14.1) for the plugin/loader/server-args tests
 set -euo pipefail
+export PIP_DISABLE_PIP_VERSION_CHECK=1
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3

@@ -1,0 +1,16 @@
+# The two quickstart commands (README): `make train` and `make test`. Both set up first (idempotent).
+.PHONY: setup train test test-fast
+
+setup:
+	@bash scripts/setup.sh
+
+train: setup
+	.venv/bin/python train.py
+
+# Main suite in .venv (vLLM CPU engine included), then the SGLang suite in its own environment.
+test: setup
+	.venv/bin/python -m pytest tests -q -p no:cacheprovider --ignore=tests/sglang
+	.venv-sglang/bin/python -m pytest tests/sglang -q -p no:cacheprovider
+
+test-fast: setup
+	.venv/bin/python -m pytest tests -q -m "not slow" --ignore=tests/sglang

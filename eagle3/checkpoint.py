@@ -1,0 +1,70 @@
+"""Training checkpoints: <run_dir>/checkpoints/step_NNNNNNN/ and a `latest` pointer.
+
+A checkpoint holds what exact resumption needs: model, optimizer and RNG states (accelerate's
+save_state, which also handles DeepSpeed's sharded states), the draft vocabulary, and the step. The
+data position and the learning rate are functions of the step (train.py), so the step is all the
+loop state there is. Written under a temporary name and renamed, so a killed save leaves the previous
+checkpoint as `latest`.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+
+def save(acc, run_dir: Path, step: int, vocab_path: Path) -> Path:
+    ckpt_root = Path(run_dir) / "checkpoints"
+    final = ckpt_root / f"step_{step:07d}"
+    tmp = ckpt_root / f".tmp_step_{step:07d}"
+    if acc.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    acc.wait_for_everyone()
+    acc.save_state(str(tmp))                     # every rank: DeepSpeed writes its own shards
+    acc.wait_for_everyone()
+    if acc.is_main_process:
+        shutil.copy2(vocab_path, tmp / "vocab.safetensors")
+        (tmp / "trainer_state.json").write_text(json.dumps({"step": step}) + "\n")
+        if (Path(run_dir) / "config.yaml").exists():
+            shutil.copy2(Path(run_dir) / "config.yaml", tmp / "config.yaml")
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        (ckpt_root / "latest.tmp").write_text(final.name + "\n")
+        (ckpt_root / "latest.tmp").replace(ckpt_root / "latest")
+    acc.wait_for_everyone()
+    return final
+
+
+def latest(run_dir: Path) -> Path | None:
+    pointer = Path(run_dir) / "checkpoints" / "latest"
+    if not pointer.exists():
+        return None
+    path = pointer.parent / pointer.read_text().strip()
+    if not (path / "trainer_state.json").exists():
+        raise FileNotFoundError(f"{pointer} names {path.name}, which is incomplete or missing; "
+                                f"point it at an earlier checkpoint directory in {pointer.parent}")
+    return path
+
+
+def load_latest(acc, run_dir: Path) -> int:
+    """Restore the newest checkpoint into the prepared model/optimizer; returns the step to run next."""
+    path = latest(run_dir)
+    if path is None:
+        if acc.is_main_process:
+            print(f"[train] resume=true but {Path(run_dir) / 'checkpoints'} has no checkpoint: starting at step 0")
+        return 0
+    acc.load_state(str(path))
+    step = json.loads((path / "trainer_state.json").read_text())["step"]
+    if acc.is_main_process:
+        print(f"[train] resumed from {path} at step {step}")
+    return step
+
+
+def trim_metrics(path: Path, step: int) -> None:
+    """Drop metric rows at or after `step` (written by a run that went past its last checkpoint), so a
+    resumed run's metrics.jsonl has one row per step and split."""
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] < step]
+    path.write_text("".join(line + "\n" for line in keep))

@@ -1,0 +1,67 @@
+"""Every experiment composes for every entry point; typos and wrong types fail at start-up."""
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+from hydra.errors import ConfigCompositionException
+
+from eagle3 import config as schema
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
+ENTRY_POINTS = ["train", "capture", "evaluate"]
+schema.register()
+
+
+def _compose(name, overrides):
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        return compose(config_name=name, overrides=overrides)
+
+
+def test_the_four_required_experiments_exist():
+    assert {"smollm2", "tiny", "tiny_deepseek", "kimi_k25"} <= set(EXPERIMENTS)
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_experiment_composes_into_the_typed_schema(entry, experiment):
+    cfg = _compose(entry, [f"+experiment={experiment}"])
+    c = schema.to_config(cfg)
+    assert isinstance(c, schema.Config)
+    assert c.target.name  # every experiment names its target
+    assert c.run_dir and "${" not in c.run_dir
+
+
+def test_default_is_the_embedded_smollm2():
+    c = schema.to_config(_compose("train", []))
+    assert (c.target.name, c.target.source, c.data.source) == ("smollm2", "gguf", "sharegpt")
+
+
+def test_kimi_values():
+    c = schema.to_config(_compose("train", ["+experiment=kimi_k25"]))
+    assert c.aux_layers == [3, 31, 59]
+    assert (c.drafter.draft_vocab_size, c.drafter.intermediate_size, c.drafter.num_attention_heads,
+            c.drafter.num_key_value_heads, c.drafter.head_dim) == (32000, 18432, 64, 64, 128)
+    assert (c.train.ttt_steps, c.data.max_length, c.optim.lr) == (7, 4096, 5e-5)
+    assert c.dist.deepspeed and c.capture.backend == "sglang" and c.capture.tp_size == 8
+    assert (c.eval.backend, c.eval.num_steps, c.eval.topk, c.eval.num_draft_tokens, c.eval.baseline_tok_s) == (
+        "sglang", 3, 1, 4, 90)
+
+
+def test_misspelled_key_fails():
+    with pytest.raises(ConfigCompositionException) as e:
+        _compose("train", ["train.stpes=5"])
+    assert "stpes" in str(e.value)
+
+
+def test_wrong_type_fails():
+    with pytest.raises(ConfigCompositionException) as e:
+        _compose("train", ["train.steps=many"])
+    assert "steps" in str(e.value)
+
+
+def test_unknown_experiment_fails():
+    with pytest.raises(ConfigCompositionException):
+        _compose("train", ["+experiment=no_such_thing"])

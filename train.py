@@ -1,0 +1,310 @@
+"""Train an EAGLE-3 drafter: features -> drafter (training-time test) -> curves -> engine-ready export.
+
+    python train.py                                   # embedded default: SmolLM2 on CPU, captures first
+    python train.py +experiment=tiny                  # seconds
+    accelerate launch --num_processes 8 train.py +experiment=kimi_k25
+    python train.py +experiment=tiny resume=true      # continue exactly from the last checkpoint
+
+Setup, then one plain step loop (logging, held-out evaluation and checkpoints are `if` blocks inside
+it), then save + export + curves. Everything the run writes lives in `run_dir`.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import OmegaConf
+
+from eagle3 import checkpoint, config as config_schema
+from eagle3.export import export_drafter
+from eagle3.features import FeatureDataset, check_compatible, collate
+from eagle3.loss import ttt_loss
+from eagle3.model import Eagle3Drafter, drafter_shape
+from eagle3.plots import plot_runs
+from eagle3.targets import default_aux_layers, load_head, resolve_target, target_info
+from eagle3.vocab import DraftVocab, build_vocab, count_tokens
+
+config_schema.register()
+
+
+def lr_at(step: int, total: int, peak: float, warmup_fraction: float, min_fraction: float) -> float:
+    """Linear warmup, then cosine to min_fraction * peak at the last step (derived from the step alone,
+    so resuming needs no scheduler state)."""
+    warmup = max(1, int(round(warmup_fraction * total)))
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return peak * (min_fraction + (1 - min_fraction) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def batch_indices(step: int, n: int, batch_size: int, seed: int) -> list[int]:
+    """The global batch of `step`: epoch e is a seeded permutation of the n samples, cut into n // B
+    batches (the remainder is dropped), so the data position is a function of the step."""
+    per_epoch = n // batch_size
+    epoch, k = divmod(step, per_epoch)
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+    return perm[k * batch_size:(k + 1) * batch_size].tolist()
+
+
+def wandb_mode() -> str:
+    """Online only when the user is logged in; WANDB_MODE wins when set."""
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    netrc = Path.home() / ".netrc"
+    logged_in = bool(os.environ.get("WANDB_API_KEY")) or (netrc.exists() and "api.wandb.ai" in netrc.read_text())
+    return "online" if logged_in else "offline"
+
+
+@hydra.main(config_path="conf", config_name="train", version_base=None)
+def main(cfg) -> None:
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin
+
+    c = config_schema.to_config(cfg)
+    run_dir = Path(c.run_dir)
+    use_cuda = c.train.device == "cuda" or (c.train.device == "auto" and torch.cuda.is_available())
+    mixed = c.dist.mixed_precision if c.dist.mixed_precision != "auto" else ("bf16" if use_cuda else "no")
+    ds_plugin = None
+    if c.dist.deepspeed:
+        for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29517"), ("RANK", "0"),
+                     ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+            os.environ.setdefault(k, v)   # a plain `python train.py` is a world of one
+        ds_plugin = DeepSpeedPlugin(zero_stage=c.dist.zero_stage, gradient_clipping=c.optim.grad_clip,
+                                    offload_optimizer_device="cpu" if c.dist.offload_optimizer else "none")
+    acc = Accelerator(cpu=not use_cuda, mixed_precision=mixed, deepspeed_plugin=ds_plugin)
+    device, rank, world = acc.device, acc.process_index, acc.num_processes
+    is_main = acc.is_main_process
+    torch.manual_seed(c.train.seed)
+
+    if is_main and not c.resume:
+        set_aside_previous_run(run_dir)
+    acc.wait_for_everyone()
+
+    # ---- target facts (config.json only; the target itself is loaded only for online training) ----
+    target_dir = resolve_target(c.target.source, c.target.path, c.target.name, c.target.arch,
+                                dict(c.target.random_config), c.target.seed)
+    info = target_info(target_dir)
+    aux_layers = list(c.aux_layers) or default_aux_layers(info.num_layers)
+    compute_dtype = torch.bfloat16 if use_cuda else torch.float32
+
+    # ---- data: a feature dataset (offline) or the target in this process (online) ----
+    if c.train.mode == "offline":
+        features_dir = Path(c.data.features_dir)
+        if not (features_dir / "manifest.json").exists():
+            features_dir = ensure_features(c, target_dir, aux_layers, is_main)
+            acc.wait_for_everyone()
+        ds = FeatureDataset(features_dir)
+        check_compatible(ds.manifest, {"target": info.fingerprint, "aux_layers": aux_layers,
+                                       "hidden_size": info.hidden_size}, where=str(features_dir))
+        heldout_ids = set(ds.manifest.get("heldout_ids", []))
+        ids = [ds.sample_id(i) for i in range(len(ds))]
+        train_idx = [i for i, s in enumerate(ids) if s not in heldout_ids]
+        held_idx = [i for i, s in enumerate(ids) if s in heldout_ids]
+        tokens_of = lambda i: (ds[i]["input_ids"], ds[i]["loss_mask"])  # noqa: E731
+        make_batch = lambda idx: collate([ds[i] for i in idx], [ids[i] for i in idx])  # noqa: E731
+        data_desc = f"features {features_dir} ({len(train_idx)} train / {len(held_idx)} held-out samples)"
+    else:
+        from capture.online import OnlineSource   # the target runs here; nothing touches disk
+        src = OnlineSource(target_dir, c.target, c.data, aux_layers, device, compute_dtype)
+        train_idx, held_idx = list(range(len(src.train))), list(range(len(src.heldout)))
+        tokens_of = lambda i: src.tokens(src.train[i])  # noqa: E731
+        make_batch = src.batch
+        data_desc = f"online target {target_dir} ({len(train_idx)} train / {len(held_idx)} held-out)"
+    if len(train_idx) < c.train.batch_size:
+        sys.exit(f"error: {len(train_idx)} training samples is fewer than train.batch_size="
+                 f"{c.train.batch_size}; raise data.num_samples or lower the batch size")
+
+    # ---- draft vocabulary: computed once per dataset, saved in run_dir, reused on resume ----
+    vocab_path = run_dir / "vocab.safetensors"
+    if c.resume and vocab_path.exists():
+        vocab = DraftVocab.load(vocab_path)
+    else:
+        counts = count_tokens((tokens_of(i) for i in train_idx), info.vocab_size)
+        vocab = build_vocab(counts, min(c.drafter.draft_vocab_size, info.vocab_size))
+        if is_main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            vocab.save(vocab_path)
+
+    # ---- drafter, optimizer ----
+    embed, lm_head = load_head(target_dir)
+    shape = drafter_shape(info, c.drafter, num_aux=len(aux_layers), draft_vocab_size=len(vocab.d2t))
+    model = Eagle3Drafter(shape, embed.to(torch.float32))
+    lm_head = lm_head.to(device, compute_dtype)
+    vocab = vocab.to(device)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=c.optim.lr, betas=tuple(c.optim.betas),
+                                  weight_decay=c.optim.weight_decay)
+    per_rank = c.train.batch_size // world
+    micro = c.train.micro_batch_size or per_rank
+    if per_rank * world != c.train.batch_size or per_rank % micro:
+        sys.exit(f"error: train.batch_size={c.train.batch_size} must split evenly over {world} processes "
+                 f"and micro batches of {micro}")
+    if ds_plugin is not None:
+        ds_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro
+        ds_plugin.deepspeed_config["gradient_accumulation_steps"] = per_rank // micro
+    model, optimizer = acc.prepare(model, optimizer)
+    total = c.train.steps or max(1, int(c.train.epochs * (len(train_idx) // c.train.batch_size)))
+
+    start = 0
+    if c.resume:
+        start = checkpoint.load_latest(acc, run_dir)
+    if is_main:
+        checkpoint.trim_metrics(run_dir / "metrics.jsonl", start)
+        OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+    log = Logger(run_dir, is_main, c.train.wandb, cfg)
+    n_params = sum(p.numel() for p in trainable)
+    if is_main:
+        print(f"[train] target {info.name} ({info.model_type}, hidden {info.hidden_size}, {info.num_layers} layers) "
+              f"aux_layers {aux_layers}\n[train] {data_desc}\n[train] drafter {n_params / 1e6:.1f}M trainable "
+              f"params, draft vocab {len(vocab.d2t)} (covers {vocab.coverage:.2%} of assistant tokens), "
+              f"{total} steps x {c.train.batch_size} seqs, ttt {c.train.ttt_steps}, device {device}, world {world}")
+
+    def run_loss(b):
+        b = b.to(device, compute_dtype)
+        with acc.autocast():
+            return ttt_loss(model, b.input_ids, b.loss_mask, b.attention_mask, b.aux, b.final, lm_head, vocab,
+                            ttt_steps=c.train.ttt_steps, decay=c.train.step_decay)
+
+    # ---- the loop ----
+    t0, tokens_seen = time.time(), 0
+    for step in range(start, total):
+        lr = lr_at(step, total, c.optim.lr, c.optim.warmup_fraction, c.optim.min_lr_fraction)
+        for g in optimizer.param_groups:
+            g["lr"] = lr
+        idx = batch_indices(step, len(train_idx), c.train.batch_size, c.train.seed)[rank * per_rank:(rank + 1) * per_rank]
+        model.train()
+        stats = StepStats(c.train.ttt_steps)
+        for m in range(0, per_rank, micro):
+            b = make_batch([train_idx[i] for i in idx[m:m + micro]])
+            out = run_loss(b)
+            if not torch.isfinite(out.loss):
+                sys.exit(f"error: non-finite loss {out.loss.item()} at step {step} on samples {b.sample_ids}; "
+                         f"the last good checkpoint in {run_dir / 'checkpoints'} is kept")
+            acc.backward(out.loss * micro / per_rank)
+            stats.add(out)
+            tokens_seen += int(b.attention_mask.sum())
+        if ds_plugin is None and c.optim.grad_clip > 0:
+            acc.clip_grad_norm_(trainable, c.optim.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+        if step % c.train.log_every == 0 or step == total - 1:
+            row = stats.reduce(acc)
+            elapsed = time.time() - t0
+            log.write({"step": step, "split": "train", "lr": lr, **row,
+                       "tok_s": tokens_seen * world / max(elapsed, 1e-9)})
+        if held_idx and (step % c.train.eval_every == 0 or step == total - 1):
+            model.eval()
+            hs = StepStats(c.train.ttt_steps)
+            held = held_idx[:c.train.eval_batches * c.train.batch_size][rank::world]
+            with torch.no_grad():
+                for k in range(0, len(held), micro):
+                    hs.add(run_loss(make_batch(held[k:k + micro])))
+            log.write({"step": step, "split": "heldout", **hs.reduce(acc)})
+        if (step + 1) % c.train.save_every == 0 and step + 1 < total:
+            checkpoint.save(acc, run_dir, step + 1, vocab_path)
+
+    # ---- save, export, curves ----
+    checkpoint.save(acc, run_dir, total, vocab_path)
+    state = acc.get_state_dict(model)
+    if is_main:
+        exports = export_drafter(run_dir / "export", state, shape, vocab.d2t, vocab.t2d, aux_layers,
+                                 info.model_type, info.name, info.fingerprint)
+        curves = plot_runs([run_dir], run_dir / "curves.png")
+        log.close()
+        print(f"[train] done in {time.time() - t0:.0f}s\n[train] export: {exports['sglang']}  {exports['vllm']}\n"
+              f"[train] curves: {curves}\n[train] metrics: {run_dir / 'metrics.jsonl'}")
+    acc.wait_for_everyone()
+    acc.end_training()
+
+
+class StepStats:
+    """Sums of loss and per-TTT-step correct/count over micro batches, reduced over processes."""
+
+    def __init__(self, ttt_steps: int):
+        self.loss, self.n = 0.0, 0
+        self.correct = torch.zeros(ttt_steps, dtype=torch.float64)
+        self.count = torch.zeros(ttt_steps, dtype=torch.float64)
+
+    def add(self, out) -> None:
+        self.loss += float(out.loss.detach())
+        self.n += 1
+        self.correct += out.correct.detach().to("cpu", torch.float64)
+        self.count += out.count.detach().to("cpu", torch.float64)
+
+    def reduce(self, acc) -> dict:
+        t = torch.cat([torch.tensor([self.loss, self.n], dtype=torch.float64), self.correct, self.count])
+        t = acc.reduce(t.to(acc.device), reduction="sum").cpu()
+        k = len(self.correct)
+        correct, count = t[2:2 + k], t[2 + k:]
+        return {"loss": float(t[0] / max(t[1], 1)),
+                "acc": [float(a) for a in (correct / count.clamp(min=1))],
+                "tokens": int(count[0])}
+
+
+class Logger:
+    """metrics.jsonl (what the plots read) and wandb, on the main process only."""
+
+    def __init__(self, run_dir: Path, enabled: bool, use_wandb: bool, cfg):
+        self.enabled, self.wandb = enabled, None
+        if not enabled:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.file = open(run_dir / "metrics.jsonl", "a")
+        if use_wandb:
+            import wandb
+            self.wandb = wandb.init(project="eagle3", dir=str(run_dir), mode=wandb_mode(),
+                                    name=run_dir.name, config=OmegaConf.to_container(cfg, resolve=True))
+
+    def write(self, row: dict) -> None:
+        if not self.enabled:
+            return
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+        msg = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items() if k != "acc")
+        print(f"[{row['split']}] {msg} acc=[{', '.join(f'{a:.3f}' for a in row.get('acc', []))}]", flush=True)
+        if self.wandb is not None:
+            flat = {f"{row['split']}/{k}": v for k, v in row.items() if k not in ("split", "step", "acc")}
+            flat.update({f"{row['split']}/acc_{s}": a for s, a in enumerate(row.get("acc", []))})
+            self.wandb.log(flat, step=row["step"])
+
+    def close(self) -> None:
+        if self.enabled:
+            self.file.close()
+            if self.wandb is not None:
+                self.wandb.finish()
+
+
+def set_aside_previous_run(run_dir: Path) -> None:
+    """A fresh run (resume=false) in a run_dir that already holds a run moves the old one aside
+    instead of mixing with or deleting it."""
+    if (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists():
+        old = run_dir.with_name(f"{run_dir.name}.{time.strftime('%Y%m%d-%H%M%S', time.localtime(run_dir.stat().st_mtime))}")
+        run_dir.rename(old)
+        print(f"[train] {run_dir} held an earlier run: moved it to {old} (pass resume=true to continue a run)")
+
+
+def ensure_features(c, target_dir: Path, aux_layers, is_main: bool) -> Path:
+    """The default experiment captures in-process when its dataset is missing; anything else (an SGLang
+    capture, Kimi-K2.5) prints the exact capture command and stops."""
+    features_dir = Path(c.data.features_dir)
+    overrides = " ".join(a for a in sys.argv[1:] if not a.startswith("resume"))
+    if c.capture.backend != "hf" or c.target.source == "hf" and c.target.name.startswith("kimi"):
+        sys.exit(f"error: feature dataset {features_dir} not found (no manifest.json).\n"
+                 f"Capture it first:\n    python -m capture {overrides}\n"
+                 f"(see docs/runbook_kimi.md for the SGLang capture server), then rerun this command.")
+    if is_main:
+        print(f"[train] feature dataset {features_dir} missing: capturing it in-process first")
+        from capture.run import capture_features
+        capture_features(target_dir, aux_layers, c.target, c.data, c.capture, features_dir)
+    return features_dir
+
+
+if __name__ == "__main__":
+    main()
