@@ -22,12 +22,14 @@ import torch
 from omegaconf import OmegaConf
 
 from eagle3 import checkpoint, config as config_schema
+from eagle3.engine_ids import check_aux_layers
 from eagle3.export import export_drafter
 from eagle3.features import FeatureDataset, check_compatible, collate
 from eagle3.loss import ttt_loss
-from eagle3.model import Eagle3Drafter, drafter_shape
+from eagle3.model import DrafterShape, Eagle3Drafter
 from eagle3.plots import plot_runs
-from eagle3.targets import default_aux_layers, load_head, resolve_target, target_info
+from capture.run import capture_features, template_sha256
+from eagle3.targets import default_aux_layers, load_head, load_tokenizer, resolve_target, target_info
 from eagle3.vocab import DraftVocab, build_vocab, count_tokens
 
 config_schema.register()
@@ -50,6 +52,19 @@ def batch_indices(step: int, n: int, batch_size: int, seed: int) -> list[int]:
     epoch, k = divmod(step, per_epoch)
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
     return perm[k * batch_size:(k + 1) * batch_size].tolist()
+
+
+def drafter_shape(info, d, num_aux: int, draft_vocab_size: int) -> DrafterShape:
+    """One decoder layer shaped like the target's, unless the drafter config says otherwise (0 = derive)."""
+    hidden = d.hidden_size or info.hidden_size
+    heads = d.num_attention_heads or info.num_attention_heads
+    return DrafterShape(
+        hidden_size=hidden, intermediate_size=d.intermediate_size or info.intermediate_size,
+        num_attention_heads=heads, num_key_value_heads=d.num_key_value_heads or info.num_key_value_heads,
+        head_dim=d.head_dim or hidden // heads, vocab_size=info.vocab_size, draft_vocab_size=draft_vocab_size,
+        target_hidden_size=info.hidden_size, num_aux=num_aux, rms_norm_eps=d.rms_norm_eps or info.rms_norm_eps,
+        rope_theta=d.rope_theta or info.rope_theta,
+        max_position_embeddings=d.max_position_embeddings or info.max_position_embeddings or 4096)
 
 
 def wandb_mode() -> str:
@@ -86,23 +101,32 @@ def main(cfg) -> None:
         set_aside_previous_run(run_dir)
     acc.wait_for_everyone()
 
+    features_missing = c.train.mode == "offline" and not (Path(c.data.features_dir) / "manifest.json").exists()
+    if features_missing and not captures_in_process(c):
+        sys.exit(capture_command_message(c))
+
     # ---- target facts (config.json only; the target itself is loaded only for online training) ----
     target_dir = resolve_target(c.target.source, c.target.path, c.target.name, c.target.arch,
                                 dict(c.target.random_config), c.target.seed)
     info = target_info(target_dir)
-    aux_layers = list(c.aux_layers) or default_aux_layers(info.num_layers)
+    aux_layers = check_aux_layers(list(c.aux_layers) or default_aux_layers(info.num_layers), info.num_layers)
     compute_dtype = torch.bfloat16 if use_cuda else torch.float32
 
     # ---- data: a feature dataset (offline) or the target in this process (online) ----
     if c.train.mode == "offline":
         features_dir = Path(c.data.features_dir)
-        if not (features_dir / "manifest.json").exists():
-            features_dir = ensure_features(c, target_dir, aux_layers, is_main)
+        if features_missing:
+            if is_main:
+                print(f"[train] feature dataset {features_dir} missing: capturing it in-process first")
+                capture_features(target_dir, aux_layers, c.target, c.data, c.capture, features_dir)
             acc.wait_for_everyone()
         ds = FeatureDataset(features_dir)
-        check_compatible(ds.manifest, {"target": info.fingerprint, "aux_layers": aux_layers,
-                                       "hidden_size": info.hidden_size}, where=str(features_dir))
-        heldout_ids = set(ds.manifest.get("heldout_ids", []))
+        tok = load_tokenizer(target_dir, c.target.chat_template, c.target.trust_remote_code)
+        check_compatible(ds.manifest, {"target": {"fingerprint": info.fingerprint}, "aux_layers": aux_layers,
+                                       "hidden_size": info.hidden_size,
+                                       "tokenizer": {"chat_template_sha256": template_sha256(tok)}},
+                         where=str(features_dir))
+        heldout_ids = set(ds.manifest["data"].get("heldout_ids", []))
         ids = [ds.sample_id(i) for i in range(len(ds))]
         train_idx = [i for i, s in enumerate(ids) if s not in heldout_ids]
         held_idx = [i for i, s in enumerate(ids) if s in heldout_ids]
@@ -125,7 +149,8 @@ def main(cfg) -> None:
     if c.resume and vocab_path.exists():
         vocab = DraftVocab.load(vocab_path)
     else:
-        counts = count_tokens((tokens_of(i) for i in train_idx), info.vocab_size)
+        pairs = [tokens_of(i) for i in train_idx]
+        counts = count_tokens([t for t, _ in pairs], [m for _, m in pairs], info.vocab_size)
         vocab = build_vocab(counts, min(c.drafter.draft_vocab_size, info.vocab_size))
         if is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -134,7 +159,8 @@ def main(cfg) -> None:
     # ---- drafter, optimizer ----
     embed, lm_head = load_head(target_dir)
     shape = drafter_shape(info, c.drafter, num_aux=len(aux_layers), draft_vocab_size=len(vocab.d2t))
-    model = Eagle3Drafter(shape, embed.to(torch.float32))
+    model = Eagle3Drafter(shape)
+    model.set_target_embedding(embed)
     lm_head = lm_head.to(device, compute_dtype)
     vocab = vocab.to(device)
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -290,20 +316,17 @@ def set_aside_previous_run(run_dir: Path) -> None:
         print(f"[train] {run_dir} held an earlier run: moved it to {old} (pass resume=true to continue a run)")
 
 
-def ensure_features(c, target_dir: Path, aux_layers, is_main: bool) -> Path:
-    """The default experiment captures in-process when its dataset is missing; anything else (an SGLang
-    capture, Kimi-K2.5) prints the exact capture command and stops."""
-    features_dir = Path(c.data.features_dir)
+def captures_in_process(c) -> bool:
+    """Only the in-process (hf) backend captures implicitly; Kimi-K2.5 never does (DESIGN.md)."""
+    return c.capture.backend == "hf" and not c.target.name.startswith("kimi")
+
+
+def capture_command_message(c) -> str:
     overrides = " ".join(a for a in sys.argv[1:] if not a.startswith("resume"))
-    if c.capture.backend != "hf" or c.target.source == "hf" and c.target.name.startswith("kimi"):
-        sys.exit(f"error: feature dataset {features_dir} not found (no manifest.json).\n"
-                 f"Capture it first:\n    python -m capture {overrides}\n"
-                 f"(see docs/runbook_kimi.md for the SGLang capture server), then rerun this command.")
-    if is_main:
-        print(f"[train] feature dataset {features_dir} missing: capturing it in-process first")
-        from capture.run import capture_features
-        capture_features(target_dir, aux_layers, c.target, c.data, c.capture, features_dir)
-    return features_dir
+    return (f"error: feature dataset {c.data.features_dir} not found (no manifest.json).\n"
+            f"Capture it first (see docs/runbook_kimi.md for the SGLang capture server):\n"
+            f"    python -m capture {overrides}\n"
+            f"then rerun:\n    python train.py {overrides}")
 
 
 if __name__ == "__main__":

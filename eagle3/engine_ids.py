@@ -57,3 +57,13 @@ def _check_version(engine: str, version: str | None, known: tuple) -> None:
         raise ValueError(
             f"{engine} {version}: aux-id offsets were verified for {engine} {', '.join(known)} only; "
             "read that version's set_eagle3_layers_to_capture and add it to eagle3/engine_ids.py")
+
+
+def check_aux_layers(aux_layers: Sequence[int], num_layers: int) -> List[int]:
+    """aux_layers must name distinct decoder layers in increasing order, each with an input to capture
+    (1 <= i < num_layers): layer 0's input is the embedding, which no engine captures."""
+    ids = [int(i) for i in aux_layers]
+    if not ids or ids != sorted(set(ids)) or ids[0] < 1 or ids[-1] >= num_layers:
+        raise ValueError(f"aux_layers {ids}: need distinct increasing ids in [1, {num_layers - 1}] for a "
+                         f"{num_layers}-layer target (set aux_layers=[...] explicitly for small targets)")
+    return ids

@@ -1,0 +1,36 @@
+"""Capture target hidden states into a feature dataset.
+
+    python -m capture                                   # embedded default (SmolLM2, in-process hf backend)
+    python -m capture +experiment=tiny
+    python -m capture +experiment=kimi_k25 capture.server_url=http://HOST:30000   # SGLang capture server
+
+Rerunning the same command after an interruption resumes where it stopped.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import hydra
+
+from eagle3 import config as config_schema
+from eagle3.engine_ids import check_aux_layers
+from eagle3.targets import default_aux_layers, resolve_target, target_info
+
+config_schema.register()
+
+
+@hydra.main(config_path="../conf", config_name="capture", version_base=None)
+def main(cfg) -> None:
+    from capture.run import capture_features
+
+    c = config_schema.to_config(cfg)
+    target_dir = resolve_target(c.target.source, c.target.path, c.target.name, c.target.arch,
+                                dict(c.target.random_config), c.target.seed)
+    n = target_info(target_dir).num_layers
+    aux_layers = check_aux_layers(list(c.aux_layers) or default_aux_layers(n), n)
+    out = capture_features(target_dir, aux_layers, c.target, c.data, c.capture, Path(c.data.features_dir))
+    print(f"[capture] feature dataset: {out}")
+
+
+if __name__ == "__main__":
+    main()

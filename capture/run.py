@@ -1,0 +1,66 @@
+"""Conversations -> feature dataset, for `python -m capture` and for train.py's capture-first default.
+
+Takes the typed config parts (eagle3.config dataclasses), never the Hydra config.
+"""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from eagle3.config import CaptureConfig, DataConfig, TargetConfig
+from eagle3.data import build_samples
+from eagle3.targets import load_target_model, load_tokenizer, target_info
+
+
+def pick_device(name: str) -> str:
+    return ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
+
+
+def model_dtype(device: str) -> torch.dtype:
+    """bf16 on GPU; fp32 on CPU, where bf16 matmuls are slow and features are rounded to bf16 on storage."""
+    return torch.bfloat16 if device.startswith("cuda") else torch.float32
+
+
+def template_sha256(tokenizer) -> str:
+    return hashlib.sha256((tokenizer.chat_template or "").encode()).hexdigest()
+
+
+def load_samples(target_dir: Path, target: TargetConfig, data: DataConfig):
+    """(tokenizer, train samples, held-out samples), with the data report printed."""
+    tok = load_tokenizer(target_dir, target.chat_template, target.trust_remote_code)
+    train, held, report = build_samples(tok, data.source, data.path, data.num_samples, data.max_length,
+                                        data.heldout_fraction, data.min_loss_tokens)
+    print(f"[data] {report.summary()}")
+    if not train:
+        raise SystemExit(f"error: no usable training conversations from data.source={data.source} "
+                         f"{data.path}: {report.summary()}")
+    return tok, train, held
+
+
+def capture_features(target_dir: Path, aux_layers: Sequence[int], target: TargetConfig, data: DataConfig,
+                     capture: CaptureConfig, out_dir: Path) -> Path:
+    info = target_info(target_dir, target.name)
+    tok, train, held = load_samples(target_dir, target, data)
+    data_meta = {"source": data.source, "path": data.path, "num_samples": data.num_samples,
+                 "max_length": data.max_length, "heldout_fraction": data.heldout_fraction,
+                 "heldout_ids": [s.id for s in held]}
+    if capture.backend == "hf":
+        from capture.hf import hf_meta, run_capture
+        device = pick_device(capture.device)
+        model = load_target_model(target_dir, model_dtype(device), device, target.trust_remote_code)
+        meta = hf_meta(target_name=info.name, target_fingerprint=info.fingerprint, arch=info.model_type,
+                       aux_layers=aux_layers, hidden_size=info.hidden_size,
+                       tokenizer_name=getattr(tok, "name_or_path", ""), chat_template=tok.chat_template,
+                       data=data_meta)
+        print(f"[capture] {info.name} on {device}: {len(train) + len(held)} samples, aux_layers {list(aux_layers)} "
+              f"-> {out_dir}")
+        return run_capture(model, train + held, out_dir, aux_layers=aux_layers, meta=meta,
+                           batch_tokens=capture.batch_tokens, shard_tokens=capture.shard_tokens,
+                           dtype=capture.dtype, device=device)
+    if capture.backend == "sglang":
+        from capture.sglang_client import capture_sglang
+        return capture_sglang(target_dir, info, tok, train + held, aux_layers, capture, data_meta, out_dir)
+    raise SystemExit(f"error: capture.backend={capture.backend!r}: expected 'hf' or 'sglang'")

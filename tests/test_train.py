@@ -1,0 +1,98 @@
+"""train.py end to end on the tiny experiments: capture-first, export, curves, exact resume, bad input."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_train(*overrides, check=True):
+    env = dict(os.environ, OMP_NUM_THREADS="2", WANDB_MODE="disabled", HYDRA_FULL_ERROR="1")
+    p = subprocess.run([sys.executable, "train.py", *overrides], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=900)
+    if check and p.returncode != 0:
+        raise AssertionError(f"train.py {' '.join(overrides)} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}")
+    return p
+
+
+def metrics(run_dir):
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny")
+    run_train("+experiment=tiny", f"run_dir={d}/run", f"data.features_dir={d}/features",
+              "train.steps=8", "train.save_every=4", "train.log_every=1", "train.eval_every=4")
+    return d
+
+
+def test_tiny_end_to_end_writes_exports_curves_and_metrics(tiny_run):
+    run = tiny_run / "run"
+    rows = metrics(run)
+    train_rows = [r for r in rows if r["split"] == "train"]
+    assert [r["step"] for r in train_rows] == list(range(8))
+    assert all(len(r["acc"]) == 3 and r["lr"] > 0 for r in train_rows)
+    assert any(r["split"] == "heldout" for r in rows)
+    assert (run / "curves.png").stat().st_size > 10_000
+    for engine, ids in (("sglang", [1, 2, 3]), ("vllm", [2, 3, 4])):   # tiny: aux_layers [2, 3, 4], Llama
+        cfg = json.loads((run / "export" / engine / "config.json").read_text())
+        assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == ids
+        t = load_file(str(run / "export" / engine / "model.safetensors"))
+        assert "embed_tokens.weight" not in t and t["d2t"].dtype == torch.int64 and t["t2d"].dtype == torch.bool
+        assert t["lm_head.weight"].shape[0] == t["d2t"].shape[0] == cfg["draft_vocab_size"]
+        assert int(t["t2d"].sum()) == cfg["draft_vocab_size"]
+    # the vocab saved with the run and every checkpoint is the exported one
+    vocab = load_file(str(run / "checkpoints" / "step_0000004" / "vocab.safetensors"))
+    assert torch.equal(vocab["d2t"], t["d2t"])
+
+
+def test_resume_continues_exactly(tiny_run):
+    """Stop at step 4 (the checkpoint), resume, and every later step's loss equals the uninterrupted run's."""
+    run = tiny_run / "run"
+    full = {(r["step"], r["split"]): r for r in metrics(run)}
+    ck = run / "checkpoints"
+    (ck / "latest").write_text("step_0000004\n")
+    run_train("+experiment=tiny", f"run_dir={run}", f"data.features_dir={tiny_run}/features", "resume=true",
+              "train.steps=8", "train.save_every=4", "train.log_every=1", "train.eval_every=4")
+    resumed = {(r["step"], r["split"]): r for r in metrics(run)}
+    assert sorted(resumed) == sorted(full)
+    for step in range(4, 8):
+        a, b = full[(step, "train")], resumed[(step, "train")]
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6, abs=1e-7), step
+        assert b["acc"] == pytest.approx(a["acc"], abs=1e-9)
+
+
+def test_manifest_mismatch_stops_and_names_both_values(tiny_run, tmp_path):
+    p = run_train("+experiment=tiny", f"run_dir={tmp_path}/r", f"data.features_dir={tiny_run}/features",
+                  "aux_layers=[1,3,4]", "train.steps=2", check=False)
+    assert p.returncode != 0
+    err = p.stderr + p.stdout
+    assert "aux_layers" in err and "[2, 3, 4]" in err and "[1, 3, 4]" in err
+
+
+def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tiny_run, tmp_path):
+    p = run_train("+experiment=tiny", f"run_dir={tmp_path}/r", f"data.features_dir={tiny_run}/features",
+                  "train.steps=40", "train.save_every=1", "optim.lr=1e30", "optim.grad_clip=0", check=False)
+    assert p.returncode != 0
+    err = p.stderr + p.stdout
+    assert "non-finite loss" in err and "at step" in err
+    latest = (tmp_path / "r" / "checkpoints" / "latest").read_text().strip()
+    assert (tmp_path / "r" / "checkpoints" / latest / "trainer_state.json").exists()
+
+
+def test_missing_dataset_without_in_process_capture_prints_command(tmp_path):
+    p = run_train("+experiment=kimi_k25", f"data.features_dir={tmp_path}/none", check=False)
+    assert p.returncode != 0
+    assert "python -m capture +experiment=kimi_k25" in p.stderr
+
+
+def test_typo_fails_at_startup():
+    p = run_train("+experiment=tiny", "train.stpes=3", check=False)
+    assert p.returncode != 0 and "stpes" in p.stderr
