@@ -26,7 +26,7 @@ from eagle3.engine_ids import check_aux_layers
 from eagle3.export import export_drafter
 from eagle3.features import FeatureDataset, check_compatible, collate
 from eagle3.loss import ttt_loss
-from eagle3.model import DrafterShape, Eagle3Drafter
+from eagle3.model import Eagle3Drafter, drafter_shape
 from eagle3.plots import plot_runs
 from capture.run import capture_features, template_sha256
 from eagle3.targets import default_aux_layers, load_head, load_tokenizer, resolve_target, target_info
@@ -52,19 +52,6 @@ def batch_indices(step: int, n: int, batch_size: int, seed: int) -> list[int]:
     epoch, k = divmod(step, per_epoch)
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
     return perm[k * batch_size:(k + 1) * batch_size].tolist()
-
-
-def drafter_shape(info, d, num_aux: int, draft_vocab_size: int) -> DrafterShape:
-    """One decoder layer shaped like the target's, unless the drafter config says otherwise (0 = derive)."""
-    hidden = d.hidden_size or info.hidden_size
-    heads = d.num_attention_heads or info.num_attention_heads
-    return DrafterShape(
-        hidden_size=hidden, intermediate_size=d.intermediate_size or info.intermediate_size,
-        num_attention_heads=heads, num_key_value_heads=d.num_key_value_heads or info.num_key_value_heads,
-        head_dim=d.head_dim or hidden // heads, vocab_size=info.vocab_size, draft_vocab_size=draft_vocab_size,
-        target_hidden_size=info.hidden_size, num_aux=num_aux, rms_norm_eps=d.rms_norm_eps or info.rms_norm_eps,
-        rope_theta=d.rope_theta or info.rope_theta,
-        max_position_embeddings=d.max_position_embeddings or info.max_position_embeddings or 4096)
 
 
 def wandb_mode() -> str:

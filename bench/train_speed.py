@@ -1,0 +1,195 @@
+"""Drafter training speed on synthetic features: full steps exactly as training runs them
+(TTT forward over `--ttt` steps, backward, gradient clipping, AdamW).
+
+    python bench/train_speed.py --hidden 64 --intermediate 128 --heads 4 --kv-heads 2 --head-dim 16 \
+        --vocab 1000 --draft-vocab 256 --seq 128 --ttt 7 --steps 5 --device cpu --dtype fp32
+    python bench/train_speed.py --preset kimi --seq 2048 --steps 20 --device cuda --dtype bf16
+
+Precision: fp32 = everything fp32; bf16 = fp32 master weights and AdamW states, compute under
+torch.autocast(bfloat16) (what accelerate's bf16 mixed precision does in train.py), features,
+target lm_head and the frozen embedding stored in bf16.
+
+FLOP count (printed; MFU = FLOPs / step time / peak):
+    P_layer = 2H*(nh + 2*nkv)*d + nh*d*H + 3*H*I      (q, k, v over 2H inputs; o; gate, up, down)
+    forward = 2*B*T*(k*Ht*H)                           (fc, once)
+            + sum_s [ 2*B*T*(P_layer + H*Vd)           (layer + lm_head, every TTT step)
+                      + 4*B*nh*d*(T*(T+1)/2 + s*T) ]   (QK and PV: causal step-0 keys + s own keys)
+    train   = 3 * forward                              (backward = 2x forward)
+The target's teacher logits (2*B*T*Ht*V, no gradient) are timed but not counted. lm_head runs
+only on counted rows; the synthetic target is built so nearly all rows count (printed), so the
+nominal count above is what is computed. Peak = a measured large matmul in the compute dtype
+(pass --peak-tflops to use a datasheet figure instead).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from eagle3.loss import ttt_loss  # noqa: E402
+from eagle3.model import DrafterShape, Eagle3Drafter  # noqa: E402
+from eagle3.vocab import DraftVocab  # noqa: E402
+
+# Kimi-K2.5's drafter (the published Kimi-K2 EAGLE-3 drafter's dims): 1.19B trainable parameters.
+PRESETS = {"kimi": dict(hidden=7168, intermediate=18432, heads=64, kv_heads=64, head_dim=128,
+                        vocab=163840, draft_vocab=32000)}
+
+
+def parse_args():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", choices=sorted(PRESETS))
+    for name in ("hidden", "intermediate", "heads", "kv-heads", "head-dim", "vocab", "draft-vocab"):
+        ap.add_argument(f"--{name}", type=int)
+    ap.add_argument("--target-hidden", type=int, help="Ht (default: --hidden)")
+    ap.add_argument("--num-aux", type=int, default=3)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--ttt", type=int, default=7)
+    ap.add_argument("--steps", type=int, default=10, help="timed steps (after --warmup)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--clip", type=float, default=0.5)
+    ap.add_argument("--peak-tflops", type=float, help="default: measured matmul throughput")
+    args = ap.parse_args()
+    for key, value in PRESETS.get(args.preset, {}).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    missing = [k for k in ("hidden", "intermediate", "heads", "kv_heads", "head_dim", "vocab",
+                           "draft_vocab") if getattr(args, k) is None]
+    if missing:
+        ap.error(f"give --preset or all of: {', '.join('--' + m.replace('_', '-') for m in missing)}")
+    args.target_hidden = args.target_hidden or args.hidden
+    return args
+
+
+def train_flops(s: DrafterShape, B: int, T: int, steps: int) -> float:
+    H, d = s.hidden_size, s.head_dim
+    nh, nkv = s.num_attention_heads, s.num_key_value_heads
+    layer = 2 * H * (nh + 2 * nkv) * d + nh * d * H + 3 * H * s.intermediate_size
+    fwd = 2 * B * T * s.num_aux * s.target_hidden_size * H
+    for st in range(steps):
+        fwd += 2 * B * T * (layer + H * s.draft_vocab_size)
+        fwd += 4 * B * nh * d * (T * (T + 1) / 2 + st * T)
+    return 3 * fwd
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def measured_peak_tflops(device, dtype) -> float:
+    n = 8192 if device.type == "cuda" else 1024
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(2):
+        a @ b
+    sync(device)
+    reps = 20 if device.type == "cuda" else 3
+    t = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    sync(device)
+    return 2 * n ** 3 * reps / (time.perf_counter() - t) / 1e12
+
+
+def synthetic_batch(s: DrafterShape, B, T, device, dtype, gen):
+    """Random features; the target lm_head's draft rows are scaled up so the target's argmax
+    (over the full vocab) nearly always lies in the draft vocab, i.e. nearly every row counts."""
+    V, Vd, Ht = s.vocab_size, s.draft_vocab_size, s.target_hidden_size
+    d2t = torch.zeros(Vd, dtype=torch.int64)                 # draft vocab = target ids 0..Vd-1
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[:Vd] = True
+    head = torch.randn(V, Ht, generator=gen) / Ht ** 0.5
+    head[:Vd] *= 3.0
+    batch = dict(
+        input_ids=torch.randint(0, V, (B, T), generator=gen),
+        loss_mask=torch.ones(B, T, dtype=torch.uint8),
+        attention_mask=torch.ones(B, T, dtype=torch.bool),
+        aux=torch.randn(B, T, s.num_aux * Ht, generator=gen),
+        final=torch.randn(B, T, Ht, generator=gen),
+    )
+    batch = {k: (v.to(device, dtype) if v.is_floating_point() else v.to(device))
+             for k, v in batch.items()}
+    return batch, head.to(device, dtype), DraftVocab(d2t, t2d).to(device)
+
+
+def main():
+    args = parse_args()
+    device = torch.device(args.device)
+    cdtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    shape = DrafterShape(hidden_size=args.hidden, intermediate_size=args.intermediate,
+                         num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                         head_dim=args.head_dim, vocab_size=args.vocab,
+                         draft_vocab_size=args.draft_vocab, target_hidden_size=args.target_hidden,
+                         num_aux=args.num_aux, max_position_embeddings=max(4096, args.seq + args.ttt))
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Eagle3Drafter(shape)                          # fp32 master weights
+    model.embed_tokens.to(cdtype)                             # frozen: no master copy needed
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=args.lr, betas=(0.9, 0.95),
+                            fused=device.type == "cuda")
+    batch, head, vocab = synthetic_batch(shape, args.batch, args.seq, device, cdtype, gen)
+    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bf16"
+                else contextlib.nullcontext())
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    step_ms, fwd_bwd_ms, counted = [], [], 0.0
+    for i in range(args.warmup + args.steps):
+        sync(device)
+        t0 = time.perf_counter()
+        with autocast:
+            out = ttt_loss(model, **batch, target_lm_head=head, vocab=vocab, ttt_steps=args.ttt)
+        out.loss.backward()
+        sync(device)
+        t1 = time.perf_counter()
+        torch.nn.utils.clip_grad_norm_(trainable, args.clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync(device)
+        t2 = time.perf_counter()
+        if i >= args.warmup:
+            step_ms.append(1e3 * (t2 - t0))
+            fwd_bwd_ms.append(1e3 * (t1 - t0))
+        counted = float(out.count[0]) / (args.batch * max(args.seq - 2, 1))
+
+    ms = statistics.median(step_ms)
+    tokens = args.batch * args.seq
+    flops = train_flops(shape, args.batch, args.seq, args.ttt)
+    peak = args.peak_tflops or measured_peak_tflops(device, cdtype)
+    if device.type == "cuda":
+        mem = f"{torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB (max allocated)"
+    else:
+        mem = f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB (process max RSS)"
+    print(f"device        {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}"
+          f"  torch {torch.__version__}  dtype {args.dtype}")
+    print(f"shape         {shape}")
+    print(f"params        {shape.num_trainable() / 1e6:.1f}M trainable "
+          f"(+{shape.vocab_size * shape.hidden_size / 1e6:.1f}M frozen embedding)")
+    print(f"batch         {args.batch} x {args.seq} tokens, TTT {args.ttt}, "
+          f"step-0 counted rows {counted:.1%}")
+    print(f"ms/step       {ms:.1f} median of {len(step_ms)} "
+          f"(forward+backward {statistics.median(fwd_bwd_ms):.1f}, "
+          f"clip+optimizer {ms - statistics.median(fwd_bwd_ms):.1f})")
+    print(f"tokens/s      {tokens / ms * 1e3:,.0f}")
+    print(f"peak memory   {mem}")
+    print(f"FLOPs/step    {flops / 1e12:.4g} TFLOP (train, see module doc); teacher "
+          f"{2 * tokens * shape.target_hidden_size * shape.vocab_size / 1e12:.4g} TFLOP not counted")
+    print(f"MFU           {flops / (ms / 1e3) / 1e12 / peak:.1%} of {peak:.4g} TFLOP/s "
+          f"({'given' if args.peak_tflops else 'measured matmul'})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""Training-time test (TTT): the drafter unrolled for `ttt_steps` draft steps, as it runs in SGLang.
+
+Alignment (x = input_ids, rows t = 0..T-1 of one sequence):
+  step 0, row t: hidden fc(aux_t), token x_{t+1}                -> predicts x_{t+2}
+  step s, row t: hidden = the drafter's own h_out of step s-1 at row t, token x_{t+1+s}
+                                                                  -> predicts x_{t+2+s}
+  teacher of (s, t): the target's logits at row t+1+s (final[t+1+s] @ lm_head.T), which predict
+  that same token x_{t+2+s}.
+  Counted where loss_mask[t+2+s] == 1 (an assistant token), attention_mask[t+2+s] (a real token,
+  so every row it depends on is real too: right padding), and the target's argmax over the FULL
+  vocab at row t+1+s lies in the draft vocab (t2d): a position the drafter cannot get right is
+  not trained on. SpecForge counts loss_mask[t] of the row instead of the predicted token's; ours
+  trains exactly the tokens the target will be asked to accept.
+
+Attention (what SGLang's chain drafting sees): row t at step s attends to the step-0 keys of rows
+j <= t of its own sequence (the draft KV cache holds one step-0 row per accepted token) and to its
+own keys of steps 1..s at row t. So the keys at step s are [K_0 | K_1 | ... | K_s] (each [T]) with
+the mask [causal | diag | ... | diag]; see `ttt_mask`. Same pattern as SpecForge's flex mask.
+
+Positions: step s at row t uses RoPE position t+s. SGLang's draft extend runs row t (h_t, x_{t+1})
+at position t, and its draft decode loop starts at `seq_lens` (one past the last accepted row) and
+does `positions.add_(1)` after each step (speculative/eagle_worker_v2.py, eagle_worker_common.py);
+SpecForge's sdpa path rotates step s with `position_ids + s` likewise. Training at any other
+position would train a drafter that the engine then runs off its training distribution.
+
+Loss: teacher p = softmax of the target logits restricted to the draft-vocab columns (d2t+arange);
+per step the soft cross-entropy -sum_v p log q is AVERAGED OVER THAT STEP'S COUNTED POSITIONS of
+the (micro-)batch, then weighted decay**s and summed over steps. (SpecForge divides each step's
+sum by B*T, counted or not; ours does not depend on padding or on how many positions the mask
+drops.) Accuracy per step: draft argmax mapped to its target id == the target's full-vocab argmax,
+over the counted positions; `correct` and `count` are returned so callers can sum over batches and
+ranks before dividing.
+
+Memory: the target's full-vocab logits are made once per batch, a chunk of rows at a time
+(V = 163840 at T = 4096 would be 1.3 GB in bf16); only the draft-vocab columns (as fp32 softmax)
+and the argmax are kept. The drafter's lm_head runs only on counted rows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from eagle3.model import Eagle3Drafter, causal_mask
+from eagle3.vocab import DraftVocab
+
+
+@dataclass
+class TTTOutput:
+    loss: torch.Tensor            # scalar, differentiable: sum_s decay**s * per_step_loss[s]
+    per_step_loss: torch.Tensor   # [S] fp32, detached: mean soft CE over step s's counted rows
+    correct: torch.Tensor         # [S] int64: counted rows where draft argmax == target argmax
+    count: torch.Tensor           # [S] int64: counted rows
+
+    @property
+    def acc(self) -> List[float]:
+        """Per-step accuracy of this batch (0.0 for a step with nothing counted)."""
+        return [c / n if n else 0.0 for c, n in zip(self.correct.tolist(), self.count.tolist())]
+
+
+@torch.no_grad()
+def target_teacher(final: torch.Tensor, target_lm_head: torch.Tensor, draft_ids: torch.Tensor,
+                   chunk_rows: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """final [B, T, Ht], target_lm_head [V, Ht], draft_ids [Vd] -> (p [B, T, Vd] fp32 softmax of
+    the target logits over the draft columns, top [B, T] int64 full-vocab argmax)."""
+    B, T, Ht = final.shape
+    V = target_lm_head.shape[0]
+    rows = final.reshape(B * T, Ht).to(target_lm_head.dtype)
+    chunk = chunk_rows or max(1, (1 << 28) // V)        # about 2^28 logits alive at once
+    dt = torch.promote_types(target_lm_head.dtype, torch.float32)      # fp32 (fp64 in tests)
+    p = torch.empty(B * T, draft_ids.numel(), dtype=dt, device=final.device)
+    top = torch.empty(B * T, dtype=torch.int64, device=final.device)
+    for i in range(0, B * T, chunk):
+        logits = rows[i:i + chunk] @ target_lm_head.T                # [c, V]
+        top[i:i + chunk] = logits.argmax(-1)
+        p[i:i + chunk] = logits[:, draft_ids].to(dt).softmax(-1)
+    return p.view(B, T, -1), top.view(B, T)
+
+
+def ttt_mask(real: torch.Tensor, step: int) -> torch.Tensor:
+    """[B, T] bool real -> [B, 1, T, (step+1)*T] bool over the keys [K_0 | K_1 | ... | K_step]:
+    causal (real keys, and always itself) over K_0, the diagonal over each later K_r."""
+    B, T = real.shape
+    eye = torch.eye(T, dtype=torch.bool, device=real.device).expand(B, T, T)
+    return torch.cat([causal_mask(real)] + [eye] * step, dim=-1)[:, None]
+
+
+def _shift_left(x: torch.Tensor, n: int, fill: int = 0) -> torch.Tensor:
+    """[B, T] -> row t holds x[t+n]; rows past the end hold `fill` (never counted)."""
+    out = torch.full_like(x, fill)
+    if n < x.shape[1]:
+        out[:, :x.shape[1] - n] = x[:, n:]
+    return out
+
+
+def ttt_loss(drafter: Eagle3Drafter, input_ids: torch.Tensor, loss_mask: torch.Tensor,
+             attention_mask: torch.Tensor, aux: torch.Tensor, final: torch.Tensor,
+             target_lm_head: torch.Tensor, vocab: DraftVocab, ttt_steps: int = 7,
+             decay: float = 0.8) -> TTTOutput:
+    """input_ids, loss_mask, attention_mask [B, T] (right padding); aux [B, T, k*Ht];
+    final [B, T, Ht] (post-norm target hidden); target_lm_head [V, Ht]. See the module doc."""
+    B, T = input_ids.shape
+    dev = input_ids.device
+    real = attention_mask.bool()
+    draft_ids = vocab.draft_ids.to(dev)
+    p, top = target_teacher(final, target_lm_head, draft_ids)
+    in_draft = vocab.t2d.to(dev)[top]                   # [B, T] teacher row's argmax is draftable
+    wanted = loss_mask.bool() & real                    # [B, T] token worth predicting
+    positions = torch.arange(T, device=dev).expand(B, T)
+
+    h = drafter.project(aux)
+    keys, values = [], []
+    total = h.sum() * 0.0        # stays in the graph, so backward() works when nothing is counted
+    step_loss = torch.zeros(ttt_steps, device=dev)
+    correct = torch.zeros(ttt_steps, dtype=torch.int64, device=dev)
+    count = torch.zeros(ttt_steps, dtype=torch.int64, device=dev)
+    for s in range(ttt_steps):
+        past_k = torch.cat(keys, dim=2) if keys else None
+        past_v = torch.cat(values, dim=2) if values else None
+        h, k, v = drafter.layer(_shift_left(input_ids, 1 + s), h, positions + s,
+                                past_k, past_v, ttt_mask(real, s))
+        keys.append(k)
+        values.append(v)
+        n = T - 2 - s                                   # rows whose predicted token x_{t+2+s} exists
+        if n <= 0:
+            continue
+        counted = wanted[:, 2 + s:] & in_draft[:, 1 + s:T - 1]          # [B, n]
+        logits = drafter.logits(h[:, :n][counted])                        # [N, Vd]
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        teacher = p[:, 1 + s:T - 1][counted]                              # [N, Vd]
+        ce = -(teacher * F.log_softmax(logits, dim=-1)).sum(-1)           # [N]
+        num = counted.sum()
+        loss_s = ce.sum() / num.clamp(min=1)
+        total = total + decay ** s * loss_s
+        with torch.no_grad():
+            step_loss[s] = loss_s.detach().float()
+            hit = draft_ids[logits.argmax(-1)] == top[:, 1 + s:T - 1][counted]
+            correct[s] = hit.sum()
+            count[s] = num
+    return TTTOutput(loss=total, per_step_loss=step_loss, correct=correct, count=count)

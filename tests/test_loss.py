@@ -1,0 +1,215 @@
+"""Training-time test against a naive reference that recomputes every (step, row) of the unrolled
+drafter with explicit per-step keys and values, in loops; and that reference against the cached
+inference chain (what an engine runs)."""
+import math
+
+import pytest
+import torch
+
+from eagle3.loss import target_teacher, ttt_loss, ttt_mask
+from eagle3.model import DraftKVCache, DrafterShape, Eagle3Drafter
+from eagle3.vocab import build_vocab
+
+SHAPE = DrafterShape(hidden_size=16, intermediate_size=24, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=8, vocab_size=20, draft_vocab_size=12,
+                     target_hidden_size=12, num_aux=3, rms_norm_eps=1e-6, rope_theta=100.0)
+
+
+def make_case(seed=0, B=2, T=9, lengths=(9, 6)):
+    torch.manual_seed(seed)
+    d = Eagle3Drafter(SHAPE).double()
+    with torch.no_grad():
+        for name, p in d.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+        d.embed_tokens.weight.normal_()
+    batch = dict(
+        input_ids=torch.randint(0, 20, (B, T)),
+        loss_mask=(torch.rand(B, T) < 0.8).to(torch.uint8),
+        attention_mask=torch.tensor([[i < n for i in range(T)] for n in lengths]),
+        aux=torch.randn(B, T, 36, dtype=torch.float64),
+        final=torch.randn(B, T, 12, dtype=torch.float64),
+        target_lm_head=torch.randn(20, 12, dtype=torch.float64),
+    )
+    vocab = build_vocab(torch.randint(0, 100, (20,)), 12)             # 8 target ids not draftable
+    return d, batch, vocab
+
+
+# ---- naive reference: plain ops, one (step, row) at a time -----------------------------------
+def rms(x, w, eps=1e-6):
+    return x * (x.pow(2).mean() + eps).rsqrt() * w
+
+
+def rope_vec(x, pos, theta):
+    """x [d]: rotate the pairs (x_i, x_{i+d/2}) by angle pos * theta^(-2i/d), one at a time."""
+    d = x.shape[0]
+    out = x.clone()
+    for i in range(d // 2):
+        a = pos * theta ** (-2 * i / d)
+        out[i] = x[i] * math.cos(a) - x[i + d // 2] * math.sin(a)
+        out[i + d // 2] = x[i + d // 2] * math.cos(a) + x[i] * math.sin(a)
+    return out
+
+
+def naive_ttt(d, input_ids, loss_mask, attention_mask, aux, final, target_lm_head, vocab,
+              steps, decay):
+    P = dict(d.named_parameters())
+    m = "midlayer."
+    nh, nkv, hd = SHAPE.num_attention_heads, SHAPE.num_key_value_heads, SHAPE.head_dim
+    B, T = input_ids.shape
+    draft_ids = vocab.draft_ids
+    ce = {s: [] for s in range(steps)}
+    hits = [0] * steps
+    for b in range(B):
+        real = attention_mask[b]
+        hid = {}                    # (s, t) -> h_out
+        K, V = {}, {}               # (s, t) -> [nkv, hd] rotated key, value
+        for s in range(steps):
+            xs = {}
+            for t in range(T):      # this step's inputs, keys and values, row by row
+                tok = int(input_ids[b, t + 1 + s]) if t + 1 + s < T else 0
+                h_in = aux[b, t] @ P["fc.weight"].T if s == 0 else hid[(s - 1, t)]
+                a = torch.cat([rms(P["embed_tokens.weight"][tok], P[m + "input_layernorm.weight"]),
+                               rms(h_in, P[m + "hidden_norm.weight"])])
+                q = (P[m + "self_attn.q_proj.weight"] @ a).view(nh, hd)
+                k = (P[m + "self_attn.k_proj.weight"] @ a).view(nkv, hd)
+                v = (P[m + "self_attn.v_proj.weight"] @ a).view(nkv, hd)
+                q = torch.stack([rope_vec(q[i], t + s, SHAPE.rope_theta) for i in range(nh)])
+                k = torch.stack([rope_vec(k[i], t + s, SHAPE.rope_theta) for i in range(nkv)])
+                xs[t] = (h_in, q)
+                K[(s, t)], V[(s, t)] = k, v
+            for t in range(T):
+                h_in, q = xs[t]
+                # keys: step-0 rows j <= t (real, or itself), then this row's steps 1..s
+                seen = [(0, j) for j in range(t + 1) if real[j] or j == t]
+                seen += [(r, t) for r in range(1, s + 1)]
+                heads = []
+                for i in range(nh):
+                    g = i // (nh // nkv)
+                    sc = torch.stack([q[i] @ K[key][g] for key in seen]) / math.sqrt(hd)
+                    w = torch.softmax(sc, 0)
+                    heads.append(sum(w[n] * V[key][g] for n, key in enumerate(seen)))
+                h1 = h_in + P[m + "self_attn.o_proj.weight"] @ torch.cat(heads)
+                x = rms(h1, P[m + "post_attention_layernorm.weight"])
+                gate = P[m + "mlp.gate_proj.weight"] @ x
+                h2 = h1 + P[m + "mlp.down_proj.weight"] @ (
+                    torch.nn.functional.silu(gate) * (P[m + "mlp.up_proj.weight"] @ x))
+                hid[(s, t)] = h2
+                # the prediction of x_{t+2+s}, taught by the target at row t+1+s
+                if t + 2 + s >= T or not (loss_mask[b, t + 2 + s] and real[t + 2 + s]):
+                    continue
+                full = target_lm_head @ final[b, t + 1 + s]
+                if not vocab.t2d[full.argmax()]:
+                    continue
+                p = torch.softmax(full[draft_ids], 0)
+                logits = P["lm_head.weight"] @ rms(h2, P["norm.weight"])
+                ce[s].append(-(p * torch.log_softmax(logits, 0)).sum())
+                hits[s] += int(draft_ids[logits.argmax()] == full.argmax())
+    per_step = [torch.stack(ce[s]).mean() if ce[s] else torch.zeros((), dtype=torch.float64)
+                for s in range(steps)]
+    loss = sum(decay ** s * per_step[s] for s in range(steps))
+    return loss, per_step, hits, [len(ce[s]) for s in range(steps)], hid
+
+
+def grads(d, loss):
+    d.zero_grad()
+    loss.backward()
+    return {n: p.grad.clone() for n, p in d.named_parameters() if p.requires_grad}
+
+
+def test_ttt_loss_and_grads_equal_naive_reference():
+    d, batch, vocab = make_case()
+    steps, decay = 4, 0.8
+    out = ttt_loss(d, **batch, vocab=vocab, ttt_steps=steps, decay=decay)
+    got = grads(d, out.loss)
+    ref_loss, ref_steps, ref_hits, ref_counts, _ = naive_ttt(d, **batch, vocab=vocab,
+                                                             steps=steps, decay=decay)
+    want = grads(d, ref_loss)
+    # the case exercises every mask: counted rows in every step, rows dropped as off-vocab
+    assert all(c > 0 for c in ref_counts)
+    wanted_rows = sum(int(batch["loss_mask"][b, 2:].bool()[batch["attention_mask"][b, 2:]].sum())
+                      for b in range(2))
+    assert ref_counts[0] < wanted_rows
+    assert out.count.tolist() == ref_counts and out.correct.tolist() == ref_hits
+    torch.testing.assert_close(out.loss, ref_loss, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(out.per_step_loss.double(), torch.stack(ref_steps),
+                               rtol=1e-6, atol=1e-7)
+    assert set(got) == set(want)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-9, atol=1e-11, msg=name)
+        assert got[name].abs().sum() > 0, name                         # every weight is trained
+
+
+def test_naive_reference_is_the_cached_inference_chain():
+    """Row t at step s of TTT == drafting s steps from row t with a KV cache (the engine's view:
+    step-0 rows 0..t in the cache, then the chain at positions t+1, t+2, ...)."""
+    d, batch, vocab = make_case(seed=1, B=1, T=9, lengths=(9,))
+    steps = 4
+    *_, hid = naive_ttt(d, **batch, vocab=vocab, steps=steps, decay=0.8)
+    ids, aux = batch["input_ids"], batch["aux"]
+    h0 = d.project(aux)
+    with torch.no_grad():
+        for t in range(0, 9 - steps):
+            cache = DraftKVCache()
+            _, h = d.forward_step(ids[:, 1:t + 2], h0[:, :t + 1], torch.arange(t + 1)[None], cache)
+            h = h[:, -1:]
+            torch.testing.assert_close(h[0, 0], hid[(0, t)], rtol=1e-10, atol=1e-10)
+            for s in range(1, steps):
+                _, h = d.forward_step(ids[:, t + 1 + s:t + 2 + s], h,
+                                      torch.tensor([[t + s]]), cache)
+                torch.testing.assert_close(h[0, 0], hid[(s, t)], rtol=1e-10, atol=1e-10)
+
+
+def test_ttt_mask_pattern():
+    real = torch.tensor([[True, True, True, False]])
+    got = ttt_mask(real, 2)[0, 0].int()
+    causal = [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]]   # padded row 3 sees itself
+    eye = torch.eye(4, dtype=torch.int).tolist()
+    want = [causal[i] + eye[i] + eye[i] for i in range(4)]
+    assert got.tolist() == want
+
+
+def test_teacher_chunks_agree_with_full_logits():
+    torch.manual_seed(0)
+    final, head = torch.randn(2, 5, 6), torch.randn(30, 6)
+    ids = torch.tensor([1, 4, 9, 20, 29])
+    p, top = target_teacher(final, head, ids, chunk_rows=3)
+    full = final @ head.T
+    torch.testing.assert_close(p, full[..., ids].softmax(-1))
+    assert torch.equal(top, full.argmax(-1))
+
+
+def test_nothing_counted_gives_zero_loss_and_finite_grads():
+    d, batch, vocab = make_case(seed=2)
+    batch["loss_mask"] = torch.zeros_like(batch["loss_mask"])
+    out = ttt_loss(d, **batch, vocab=vocab, ttt_steps=3)
+    g = grads(d, out.loss)
+    assert out.loss.item() == 0.0 and out.count.tolist() == [0, 0, 0] and out.acc == [0.0] * 3
+    assert all(torch.isfinite(v).all() and v.abs().sum() == 0 for v in g.values())
+
+
+@pytest.mark.parametrize("steps", [1, 7])
+def test_more_steps_than_rows_is_safe(steps):
+    d, batch, vocab = make_case(seed=3, B=2, T=5, lengths=(5, 3))
+    out = ttt_loss(d, **batch, vocab=vocab, ttt_steps=steps)
+    assert torch.isfinite(out.loss) and out.count[3:].sum() == 0
+
+
+def test_bench_runs_full_steps_on_cpu(monkeypatch, capsys):
+    """bench/train_speed.py at tiny dims: full training steps, and the numbers it must print."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "bench" / "train_speed.py"
+    spec = importlib.util.spec_from_file_location("train_speed", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(sys, "argv", [str(path), "--hidden", "32", "--intermediate", "48",
+                                      "--heads", "4", "--kv-heads", "2", "--head-dim", "8",
+                                      "--vocab", "300", "--draft-vocab", "64", "--seq", "32",
+                                      "--ttt", "3", "--steps", "2", "--warmup", "1",
+                                      "--device", "cpu", "--dtype", "fp32"])
+    bench.main()
+    lines = capsys.readouterr().out.splitlines()
+    for key in ("params", "ms/step", "tokens/s", "peak memory", "FLOPs/step", "MFU"):
+        assert any(line.startswith(key) for line in lines), (key, lines)

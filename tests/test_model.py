@@ -1,0 +1,192 @@
+"""The drafter against an independent re-implementation of SGLang's LlamaForCausalLMEagle3 math,
+and its cached (inference) path against its full causal forward."""
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from eagle3.config import DrafterConfig
+from eagle3.model import DraftKVCache, DrafterShape, Eagle3Drafter, drafter_shape
+
+SHAPE = DrafterShape(hidden_size=32, intermediate_size=48, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16, vocab_size=50, draft_vocab_size=20,
+                     target_hidden_size=24, num_aux=3, rms_norm_eps=1e-6, rope_theta=1000.0,
+                     max_position_embeddings=64)
+
+
+def make_drafter(seed=0, shape=SHAPE):
+    torch.manual_seed(seed)
+    d = Eagle3Drafter(shape).double()
+    with torch.no_grad():
+        for name, p in d.named_parameters():
+            if "norm" in name:                     # norms away from 1 so each one matters
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+        d.embed_tokens.weight.normal_()
+    return d
+
+
+# ---- SGLang 0.5.23 llama_eagle3.py, re-written with plain ops (fused residual RMSNorm) -------
+def sgl_rmsnorm(x, w, eps, residual=None):
+    """sglang RMSNorm.forward_native: with a residual it adds first and returns (normed, sum)."""
+    if residual is not None:
+        x = x + residual
+        residual = x
+    y = x * (x.pow(2).mean(-1, keepdim=True) + eps).rsqrt() * w
+    return y if residual is None else (y, residual)
+
+
+def neox_rope(x, pos, theta):
+    """x [T, n, d]; rotate (x_i, x_{i+d/2}) pairs as complex numbers by pos * theta^(-2i/d)."""
+    d = x.shape[-1]
+    freqs = theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    rot = torch.polar(torch.ones(len(pos), d // 2, dtype=torch.float64),
+                      pos[:, None].double() * freqs)                  # [T, d/2]
+    z = torch.complex(x[..., : d // 2], x[..., d // 2:]) * rot[:, None, :]
+    return torch.cat([z.real, z.imag], dim=-1)
+
+
+def sglang_eagle3_forward(sd, s: DrafterShape, aux, ids):
+    """One sequence: aux [T, k*Ht], ids [T] -> (logits [T, Vd], aux_out [T, H])."""
+    eps, T = s.rms_norm_eps, ids.shape[0]
+    p = "midlayer."
+    hidden = aux @ sd["fc.weight"].T                                   # fc on the aux concat
+    embeds = sd["embed_tokens.weight"][ids]
+    residual = hidden
+    hidden = sgl_rmsnorm(hidden, sd[p + "hidden_norm.weight"], eps)
+    embeds = sgl_rmsnorm(embeds, sd[p + "input_layernorm.weight"], eps)
+    x = torch.cat([embeds, hidden], dim=-1)
+    nh, nkv, d = s.num_attention_heads, s.num_key_value_heads, s.head_dim
+    q = (x @ sd[p + "self_attn.q_proj.weight"].T).view(T, nh, d)
+    k = (x @ sd[p + "self_attn.k_proj.weight"].T).view(T, nkv, d)
+    v = (x @ sd[p + "self_attn.v_proj.weight"].T).view(T, nkv, d)
+    pos = torch.arange(T)
+    q, k = neox_rope(q, pos, s.rope_theta), neox_rope(k, pos, s.rope_theta)
+    out = torch.zeros(T, nh, d, dtype=torch.float64)
+    for h in range(nh):
+        g = h // (nh // nkv)                                           # GQA: kv head of head h
+        for t in range(T):
+            scores = torch.stack([q[t, h] @ k[j, g] for j in range(t + 1)]) / math.sqrt(d)
+            w = torch.exp(scores - scores.max())
+            w = w / w.sum()
+            out[t, h] = sum(w[j] * v[j, g] for j in range(t + 1))
+    attn = out.reshape(T, nh * d) @ sd[p + "self_attn.o_proj.weight"].T
+    hidden, residual = sgl_rmsnorm(attn, sd[p + "post_attention_layernorm.weight"], eps, residual)
+    gate = hidden @ sd[p + "mlp.gate_proj.weight"].T
+    up = hidden @ sd[p + "mlp.up_proj.weight"].T
+    hidden = (gate * torch.sigmoid(gate) * up) @ sd[p + "mlp.down_proj.weight"].T
+    to_logits, to_aux = sgl_rmsnorm(hidden, sd["norm.weight"], eps, residual)
+    return to_logits @ sd["lm_head.weight"].T, to_aux
+
+
+EXPORT_NAMES = {
+    "fc.weight": (32, 72),
+    "midlayer.input_layernorm.weight": (32,), "midlayer.hidden_norm.weight": (32,),
+    "midlayer.self_attn.q_proj.weight": (64, 64), "midlayer.self_attn.k_proj.weight": (32, 64),
+    "midlayer.self_attn.v_proj.weight": (32, 64), "midlayer.self_attn.o_proj.weight": (32, 64),
+    "midlayer.post_attention_layernorm.weight": (32,),
+    "midlayer.mlp.gate_proj.weight": (48, 32), "midlayer.mlp.up_proj.weight": (48, 32),
+    "midlayer.mlp.down_proj.weight": (32, 48),
+    "norm.weight": (32,), "lm_head.weight": (20, 32),
+}
+
+
+def test_parameter_names_are_the_export_names():
+    d = Eagle3Drafter(SHAPE)
+    params = {n: tuple(p.shape) for n, p in d.named_parameters()}
+    assert params == {**EXPORT_NAMES, "embed_tokens.weight": (50, 32)}
+    assert not d.embed_tokens.weight.requires_grad
+    trainable = {n for n, p in d.named_parameters() if p.requires_grad}
+    assert trainable == set(EXPORT_NAMES)
+    exported = d.exportable_state_dict()
+    assert {n: tuple(t.shape) for n, t in exported.items()} == EXPORT_NAMES
+    assert SHAPE.num_trainable() == sum(p.numel() for p in d.parameters() if p.requires_grad)
+
+
+def test_forward_matches_sglang_math_with_padding():
+    d = make_drafter()
+    torch.manual_seed(1)
+    B, T, lengths = 2, 7, [7, 4]
+    aux = torch.randn(B, T, 72, dtype=torch.float64)
+    ids = torch.randint(0, 50, (B, T))
+    mask = torch.tensor([[i < n for i in range(T)] for n in lengths])
+    logits, h_out = d(aux, ids, mask)
+    sd = d.state_dict()
+    for b, n in enumerate(lengths):
+        ref_logits, ref_aux = sglang_eagle3_forward(sd, SHAPE, aux[b, :n], ids[b, :n])
+        torch.testing.assert_close(logits[b, :n], ref_logits, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(h_out[b, :n], ref_aux, rtol=1e-10, atol=1e-10)
+    assert torch.isfinite(logits).all()                               # padded rows stay finite
+
+
+def test_cached_inference_equals_full_forward():
+    d = make_drafter(seed=2)
+    torch.manual_seed(3)
+    T = 8
+    aux = torch.randn(1, T, 72, dtype=torch.float64)
+    ids = torch.randint(0, 50, (1, T))
+    full_logits, full_h = d(aux, ids)
+    h = d.project(aux)
+    pos = torch.arange(T)[None]
+
+    cache = DraftKVCache()                                            # token by token
+    for t in range(T):
+        lg, ho = d.forward_step(ids[:, t:t + 1], h[:, t:t + 1], pos[:, t:t + 1], cache)
+        torch.testing.assert_close(lg, full_logits[:, t:t + 1], rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(ho, full_h[:, t:t + 1], rtol=1e-10, atol=1e-10)
+    assert cache.length == T
+
+    cache = DraftKVCache()                                            # prefill 5, draft, roll back
+    lg, _ = d.forward_step(ids[:, :5], h[:, :5], pos[:, :5], cache)
+    torch.testing.assert_close(lg, full_logits[:, :5], rtol=1e-10, atol=1e-10)
+    draft_h = _
+    for step in range(2):                                             # two speculative rows
+        _, draft_h = d.forward_step(ids[:, :1], draft_h[:, -1:], pos[:, 5 + step:6 + step], cache)
+    assert cache.length == 7
+    cache.truncate(5)
+    lg, _ = d.forward_step(ids[:, 5:], h[:, 5:], pos[:, 5:], cache)
+    torch.testing.assert_close(lg, full_logits[:, 5:], rtol=1e-10, atol=1e-10)
+
+
+def test_hf_config_roundtrip():
+    cfg = SHAPE.to_hf_config()
+    assert DrafterShape.from_hf_config(cfg) == SHAPE
+    llama = LlamaConfig(**cfg)                     # transformers accepts every field
+    assert llama.head_dim == 16 and llama.rope_parameters["rope_theta"] == 1000.0
+    back = DrafterShape.from_hf_config(llama.to_dict())
+    assert back == SHAPE
+
+
+def test_rejects_non_silu():
+    with pytest.raises(ValueError):
+        Eagle3Drafter(DrafterShape(**{**SHAPE.__dict__, "hidden_act": "gelu"}))
+
+
+def _target(**kw):
+    base = dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_attention_heads=9,
+                num_key_value_heads=3, head_dim=64, vocab_size=49152, rms_norm_eps=1e-5,
+                rope_theta=100000.0, max_position_embeddings=8192)
+    return SimpleNamespace(**{**base, **kw})
+
+
+def test_drafter_shape_derives_from_the_target():
+    s = drafter_shape(_target(), DrafterConfig(draft_vocab_size=99), num_aux=3, draft_vocab_size=16384)
+    assert s == DrafterShape(hidden_size=576, intermediate_size=1536, num_attention_heads=9,
+                             num_key_value_heads=3, head_dim=64, vocab_size=49152,
+                             draft_vocab_size=16384, target_hidden_size=576, num_aux=3,
+                             rms_norm_eps=1e-5, rope_theta=100000.0, max_position_embeddings=8192)
+    # an MLA target (Kimi-K2.5 shape): the config's values win, the rest is derived
+    kimi = _target(model_type="deepseek_v3", hidden_size=7168, intermediate_size=18432,
+                   num_attention_heads=64, num_key_value_heads=64, head_dim=192, vocab_size=163840)
+    s = drafter_shape(kimi, DrafterConfig(num_attention_heads=64, head_dim=128), 3, 32000)
+    assert (s.head_dim, s.num_key_value_heads, s.intermediate_size) == (128, 64, 18432)
+    assert drafter_shape(kimi, DrafterConfig(), 3, 32000).head_dim == 7168 // 64   # not MLA's 192
+    with pytest.raises(ValueError):
+        drafter_shape(kimi, DrafterConfig(hidden_size=4096), 3, 32000)
+
+
+def test_target_embedding_is_copied_and_frozen():
+    embed = torch.randn(50, 32)
+    d = Eagle3Drafter(SHAPE, embed)
+    assert torch.equal(d.embed_tokens.weight, embed) and not d.embed_tokens.weight.requires_grad
