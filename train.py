@@ -122,7 +122,7 @@ def main(cfg) -> None:
         data_desc = f"features {features_dir} ({len(train_idx)} train / {len(held_idx)} held-out samples)"
     else:
         from capture.online import OnlineSource   # the target runs here; nothing touches disk
-        src = OnlineSource(target_dir, c.target, c.data, aux_layers, device, compute_dtype)
+        src = OnlineSource(target_dir, c.target, c.data, c.capture, aux_layers, device, compute_dtype)
         train_idx, held_idx = list(range(len(src.train))), list(range(len(src.heldout)))
         tokens_of = lambda i: src.tokens(src.train[i])  # noqa: E731
         make_batch = src.batch
@@ -146,11 +146,12 @@ def main(cfg) -> None:
     # ---- drafter, optimizer ----
     embed, lm_head = load_head(target_dir)
     shape = drafter_shape(info, c.drafter, num_aux=len(aux_layers), draft_vocab_size=len(vocab.d2t))
-    model = Eagle3Drafter(shape)
-    model.set_target_embedding(embed)
+    drafter = Eagle3Drafter(shape)
+    drafter.set_target_embedding(embed)
     lm_head = lm_head.to(device, compute_dtype)
     vocab = vocab.to(device)
-    trainable = [p for p in model.parameters() if p.requires_grad]
+    model = Objective(drafter, vocab, c.train.ttt_steps, c.train.step_decay)
+    trainable = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=c.optim.lr, betas=tuple(c.optim.betas),
                                   weight_decay=c.optim.weight_decay)
     per_rank = c.train.batch_size // world
@@ -181,8 +182,7 @@ def main(cfg) -> None:
     def run_loss(b):
         b = b.to(device, compute_dtype)
         with acc.autocast():
-            return ttt_loss(model, b.input_ids, b.loss_mask, b.attention_mask, b.aux, b.final, lm_head, vocab,
-                            ttt_steps=c.train.ttt_steps, decay=c.train.step_decay)
+            return model(b.input_ids, b.loss_mask, b.attention_mask, b.aux, b.final, lm_head)
 
     # ---- the loop ----
     t0, tokens_seen = time.time(), 0
@@ -199,7 +199,8 @@ def main(cfg) -> None:
             if not torch.isfinite(out.loss):
                 sys.exit(f"error: non-finite loss {out.loss.item()} at step {step} on samples {b.sample_ids}; "
                          f"the last good checkpoint in {run_dir / 'checkpoints'} is kept")
-            acc.backward(out.loss * micro / per_rank)
+            # DeepSpeed divides by its gradient_accumulation_steps itself
+            acc.backward(out.loss if ds_plugin is not None else out.loss * micro / per_rank)
             stats.add(out)
             tokens_seen += int(b.attention_mask.sum())
         if ds_plugin is None and c.optim.grad_clip > 0:
@@ -225,7 +226,7 @@ def main(cfg) -> None:
 
     # ---- save, export, curves ----
     checkpoint.save(acc, run_dir, total, vocab_path)
-    state = acc.get_state_dict(model)
+    state = {k.removeprefix("drafter."): v for k, v in acc.get_state_dict(model).items()}
     if is_main:
         exports = export_drafter(run_dir / "export", state, shape, vocab.d2t, vocab.t2d, aux_layers,
                                  info.model_type, info.name, info.fingerprint)
@@ -235,6 +236,19 @@ def main(cfg) -> None:
               f"[train] curves: {curves}\n[train] metrics: {run_dir / 'metrics.jsonl'}")
     acc.wait_for_everyone()
     acc.end_training()
+
+
+class Objective(torch.nn.Module):
+    """The drafter and its TTT loss as one forward, so DDP and DeepSpeed wrappers see a forward call.
+    The target's lm_head [V, Ht] is an argument, not a parameter: frozen, never saved."""
+
+    def __init__(self, drafter: Eagle3Drafter, vocab: DraftVocab, ttt_steps: int, decay: float):
+        super().__init__()
+        self.drafter, self.vocab, self.ttt_steps, self.decay = drafter, vocab, ttt_steps, decay
+
+    def forward(self, input_ids, loss_mask, attention_mask, aux, final, lm_head):
+        return ttt_loss(self.drafter, input_ids, loss_mask, attention_mask, aux, final, lm_head, self.vocab,
+                        ttt_steps=self.ttt_steps, decay=self.decay)
 
 
 class StepStats:

@@ -9,7 +9,7 @@ import torch
 
 from capture.hf import capture_hidden, pad_right
 from capture.run import load_samples
-from eagle3.config import DataConfig, TargetConfig
+from eagle3.config import CaptureConfig, DataConfig, TargetConfig
 from eagle3.features import Batch
 from eagle3.targets import load_target_model
 
@@ -17,9 +17,10 @@ from eagle3.targets import load_target_model
 class OnlineSource:
     """samples = train + held-out (train first); batch(indices) -> the same Batch a feature dataset gives."""
 
-    def __init__(self, target_dir: Path, target: TargetConfig, data: DataConfig, aux_layers: Sequence[int],
+    def __init__(self, target_dir: Path, target: TargetConfig, data: DataConfig, capture: CaptureConfig,
+                 aux_layers: Sequence[int],
                  device, dtype: torch.dtype):
-        self.tokenizer, self.train, self.heldout = load_samples(target_dir, target, data)
+        self.tokenizer, self.train, self.heldout = load_samples(target_dir, target, data, capture)
         self.samples = self.train + self.heldout
         self.model = load_target_model(target_dir, dtype, str(device), target.trust_remote_code)
         self.aux_layers, self.device = list(aux_layers), device

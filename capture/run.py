@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -28,10 +28,19 @@ def template_sha256(tokenizer) -> str:
     return hashlib.sha256((tokenizer.chat_template or "").encode()).hexdigest()
 
 
-def load_samples(target_dir: Path, target: TargetConfig, data: DataConfig):
-    """(tokenizer, train samples, held-out samples), with the data report printed."""
+def load_samples(target_dir: Path, target: TargetConfig, data: DataConfig,
+                 capture: Optional[CaptureConfig] = None):
+    """(tokenizer, train samples, held-out samples), with the data report printed.
+
+    With capture.regenerate the conversations are the target's own answers (capture/regenerate.py,
+    cached as JSONL), read in place of the source."""
     tok = load_tokenizer(target_dir, target.chat_template, target.trust_remote_code)
-    train, held, report = build_samples(tok, data.source, data.path, data.num_samples, data.max_length,
+    source, path = data.source, data.path
+    if capture is not None and capture.regenerate:
+        from capture.regenerate import regenerated_data
+        source, path = "jsonl", str(regenerated_data(target_dir, target, data, capture, tok,
+                                                     target_info(target_dir, target.name)))
+    train, held, report = build_samples(tok, source, path, data.num_samples, data.max_length,
                                         data.heldout_fraction, data.min_loss_tokens)
     print(f"[data] {report.summary()}")
     if not train:
@@ -43,10 +52,12 @@ def load_samples(target_dir: Path, target: TargetConfig, data: DataConfig):
 def capture_features(target_dir: Path, aux_layers: Sequence[int], target: TargetConfig, data: DataConfig,
                      capture: CaptureConfig, out_dir: Path) -> Path:
     info = target_info(target_dir, target.name)
-    tok, train, held = load_samples(target_dir, target, data)
+    tok, train, held = load_samples(target_dir, target, data, capture)
     data_meta = {"source": data.source, "path": data.path, "num_samples": data.num_samples,
                  "max_length": data.max_length, "heldout_fraction": data.heldout_fraction,
                  "heldout_ids": [s.id for s in held]}
+    if capture.regenerate:   # a different dataset: a finished capture without it must not be reused
+        data_meta["regenerated"] = {"engine": capture.backend, "max_new_tokens": capture.regen_max_new_tokens}
     if capture.backend == "hf":
         from capture.hf import hf_meta, run_capture
         device = pick_device(capture.device)

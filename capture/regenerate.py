@@ -1,0 +1,299 @@
+"""On-policy data: the target answers the conversations' user turns itself before capture.
+
+    python -m capture +experiment=smollm2 capture.regenerate=true      # hf: transformers generate
+    python -m capture +experiment=kimi_k25 capture.regenerate=true     # sglang: the server's /generate
+
+Every run of user turns gets one greedy answer (up to capture.regen_max_new_tokens, stopping at
+the template's end-of-turn token), generated with the earlier answers already replaced; the
+original assistant turns are dropped, and so is an assistant turn with no user turn before it.
+A conversation stops at the first prompt of data.max_length tokens or more (every token after
+that is truncated away by the data loader anyway).
+
+The regenerated conversations are cached as JSONL under ~/.cache/eagle3/regen/, keyed by the
+target, its chat template, the data settings and the generation length; records are appended as
+chunks finish, and a rerun skips the ids already there. capture/run.py's load_samples then reads
+that file as a `jsonl` source, so capture and online training see the same conversations.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from eagle3.config import CaptureConfig, DataConfig, TargetConfig
+from eagle3.data import iter_conversations
+from eagle3.targets import cache_root
+
+_CHUNK = 256            # conversations regenerated (and appended) together
+_MARKER = "EAGLE3_REGEN_MARKER"
+
+
+# ----------------------------------------------------------------------------------------------
+# Conversations and prompts.
+
+def is_usable(messages) -> bool:
+    """A list of {role, content} turns with string content and at least one user turn."""
+    return (isinstance(messages, list) and any(isinstance(m, dict) and m.get("role") == "user"
+                                               for m in messages)
+            and all(isinstance(m, dict) and m.get("role") in ("system", "user", "assistant")
+                    and isinstance(m.get("content"), str) for m in messages))
+
+
+def end_of_turn_ids(tok) -> List[int]:
+    """Token ids that end an assistant turn: the special token the chat template puts right after
+    an answer (`<|im_end|>` for ChatML/Kimi, `<|eot_id|>` for Llama-3), plus the tokenizer's eos.
+
+    SmolLM2's GGUF tokenizer reports eos = <|im_start|> (ENGINES.md): stopping there too is right.
+    """
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"},
+                                    {"role": "assistant", "content": _MARKER}], tokenize=False)
+    suffix = text[text.rindex(_MARKER) + len(_MARKER):]
+    ids = list(tok(suffix, add_special_tokens=False).input_ids) if suffix else []
+    special = set(tok.all_special_ids) | set(getattr(tok, "added_tokens_decoder", {}) or {})
+    out = [ids[0]] if ids and ids[0] in special else []
+    if tok.eos_token_id is not None and tok.eos_token_id not in out:
+        out.append(int(tok.eos_token_id))
+    if not out:
+        raise ValueError("cannot tell how an assistant turn ends: the chat template closes it with "
+                         "no special token and the tokenizer has no eos token")
+    return out
+
+
+def prompt_ids(tok, messages: List[dict]) -> List[int]:
+    """The rendered conversation with the assistant header appended, as token ids."""
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(tok(text, add_special_tokens=False).input_ids)
+
+
+@dataclass
+class _Conv:
+    """One conversation being regenerated: `done` messages so far, `todo` still to walk."""
+    id: str
+    done: List[dict]
+    todo: List[dict]
+    new_tokens: List[int] = field(default_factory=list)
+    finished: List[bool] = field(default_factory=list)
+
+    def next_prompt(self) -> bool:
+        """Move turns from todo to done up to the next point that needs an answer; False at the end."""
+        while self.todo:
+            m = self.todo.pop(0)
+            if m["role"] == "assistant":
+                continue                         # the original answer is replaced, or has no question
+            self.done.append(m)
+            if m["role"] == "user" and not (self.todo and self.todo[0]["role"] == "user"):
+                return True
+        return False
+
+    def record(self) -> Dict[str, Any]:
+        return {"id": self.id, "messages": self.done,
+                "regen": {"new_tokens": self.new_tokens, "finished": self.finished}}
+
+
+# ----------------------------------------------------------------------------------------------
+# Engines: prompts (token ids) -> (answer ids without the stop token, stopped at end of turn?).
+
+Generate = Callable[[List[List[int]]], List[Tuple[List[int], bool]]]
+
+
+def cut_at_stop(ids: Sequence[int], stop_ids: Sequence[int]) -> Tuple[List[int], bool]:
+    for j, t in enumerate(ids):
+        if t in stop_ids:
+            return list(ids[:j]), True
+    return list(ids), False
+
+
+def hf_generate(model, stop_ids: Sequence[int], max_new_tokens: int, batch_size: int = 16) -> Generate:
+    """Greedy transformers generate in batches of similar length, left padded."""
+    from transformers import GenerationConfig
+
+    device = next(model.parameters()).device
+    gen = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=list(stop_ids),
+                           pad_token_id=int(stop_ids[0]))
+
+    def run(prompts: List[List[int]]) -> List[Tuple[List[int], bool]]:
+        out: List[Optional[Tuple[List[int], bool]]] = [None] * len(prompts)
+        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+        for b in range(0, len(order), batch_size):
+            idx = order[b:b + batch_size]
+            T = max(len(prompts[i]) for i in idx)
+            ids = torch.full((len(idx), T), int(stop_ids[0]), dtype=torch.long)
+            att = torch.zeros(len(idx), T, dtype=torch.long)
+            for r, i in enumerate(idx):
+                ids[r, T - len(prompts[i]):] = torch.tensor(prompts[i])
+                att[r, T - len(prompts[i]):] = 1
+            with torch.no_grad():
+                seq = model.generate(input_ids=ids.to(device), attention_mask=att.to(device),
+                                     generation_config=gen)
+            for r, i in enumerate(idx):
+                out[i] = cut_at_stop(seq[r, T:].tolist(), stop_ids)
+        return out
+    return run
+
+
+def sglang_generate(url: str, stop_ids: Sequence[int], max_new_tokens: int, concurrency: int = 16,
+                    spool_dir: Optional[str] = None) -> Generate:
+    """Greedy /generate on a running server. On a capture server every prompt's prefill also lands
+    in the spool as req_regen.*: those entries are deleted as they appear (and by the capture)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from capture.sglang_client import post_json
+
+    counter = iter(range(1 << 62))
+
+    def one(prompt: List[int]) -> Tuple[List[int], bool]:
+        rid = f"regen.{os.getpid()}.{next(counter)}"
+        ans = post_json(url.rstrip("/") + "/generate", {
+            "input_ids": prompt, "rid": rid,
+            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0,
+                                "stop_token_ids": list(stop_ids), "skip_special_tokens": False}})
+        return cut_at_stop(ans.get("output_ids") or [], stop_ids)
+
+    def run(prompts: List[List[int]]) -> List[Tuple[List[int], bool]]:
+        with ThreadPoolExecutor(max(1, concurrency)) as pool:
+            out = list(pool.map(one, prompts))
+        if spool_dir:
+            _sweep_regen_entries(Path(spool_dir))
+        return out
+    return run
+
+
+def _sweep_regen_entries(spool: Path) -> None:
+    import shutil
+
+    if spool.is_dir():
+        for e in os.scandir(spool):
+            if e.name.startswith("req_regen.") and (Path(e.path, "done").exists() or Path(e.path, "error.txt").exists()):
+                shutil.rmtree(e.path, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# The cached regeneration.
+
+def done_ids(path: Path) -> set:
+    """Ids already in the cache file; a torn last line (killed mid-append) is cut off."""
+    if not path.exists():
+        return set()
+    ids, good = set(), 0
+    with open(path, "rb") as f:
+        for line in f:
+            try:
+                ids.add(json.loads(line)["id"])
+            except (ValueError, KeyError):
+                break
+            good += len(line)
+    if good != path.stat().st_size:
+        with open(path, "r+b") as f:
+            f.truncate(good)
+    return ids
+
+
+def regenerate_conversations(conversations: Sequence[Tuple[str, list]], tok, generate: Generate,
+                             out_path: Path, max_prompt_tokens: int, progress: bool = True) -> Path:
+    """Answer every conversation's user turns with `generate`; append records to out_path (JSONL).
+
+    conversations: (id, messages) pairs in order; ids already in out_path are skipped, so an
+    interrupted run resumes. Records: {"id", "messages", "regen": {"new_tokens", "finished"}}.
+    """
+    from tqdm import tqdm
+
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    have = done_ids(out_path)
+    todo = [(cid, msgs) for cid, msgs in conversations if cid not in have]
+    bar = tqdm(total=len(todo), unit="conv", desc="regenerate", disable=not progress)
+    for c in range(0, len(todo), _CHUNK):
+        convs = [_Conv(cid, [], [dict(role=m["role"], content=m["content"]) for m in msgs])
+                 for cid, msgs in todo[c:c + _CHUNK]]
+        active = [v for v in convs if v.next_prompt()]
+        while active:
+            prompts = [prompt_ids(tok, v.done) for v in active]
+            keep = [i for i, p in enumerate(prompts) if len(p) < max_prompt_tokens]
+            for i in set(range(len(active))) - set(keep):
+                active[i].done.pop()             # its answer would be truncated away: stop here
+            answers = generate([prompts[i] for i in keep]) if keep else []
+            nxt = []
+            for i, (ids, finished) in zip(keep, answers):
+                v = active[i]
+                v.done.append({"role": "assistant", "content": tok.decode(ids, skip_special_tokens=False)})
+                v.new_tokens.append(len(ids))
+                v.finished.append(finished)
+                if v.next_prompt():
+                    nxt.append(v)
+            active = nxt
+        with open(out_path, "a", encoding="utf-8") as f:
+            for v in convs:
+                while v.done and v.done[-1]["role"] != "assistant":
+                    v.done.pop()                 # a trailing question that was not answered
+                f.write(json.dumps(v.record(), ensure_ascii=False) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        bar.update(len(convs))
+    bar.close()
+    return out_path
+
+
+def regen_cache_path(target_fingerprint: str, chat_template: Optional[str], data: DataConfig,
+                     max_new_tokens: int) -> Path:
+    key = json.dumps({"target": target_fingerprint,
+                      "template": hashlib.sha256((chat_template or "").encode()).hexdigest(),
+                      "source": data.source, "path": data.path, "num_samples": data.num_samples,
+                      "max_length": data.max_length, "max_new_tokens": max_new_tokens}, sort_keys=True)
+    return cache_root() / "regen" / f"{hashlib.blake2b(key.encode(), digest_size=8).hexdigest()}.jsonl"
+
+
+def source_conversations(data: DataConfig) -> List[Tuple[str, list]]:
+    """The first data.num_samples usable conversations of the source (all when 0), in file order."""
+    out = []
+    for cid, messages in iter_conversations(data.source, data.path):
+        if is_usable(messages):
+            out.append((cid, messages))
+            if data.num_samples and len(out) >= data.num_samples:
+                break
+    return out
+
+
+def regenerated_data(target_dir: Path, target: TargetConfig, data: DataConfig, capture: CaptureConfig,
+                     tok, info) -> Path:
+    """The cached JSONL of regenerated conversations for these settings, made (or completed) first.
+
+    Engine = capture.backend: hf loads the target in-process; sglang uses capture.server_url, or
+    launches a plain server (capture plugin inert) for the time of the regeneration.
+    """
+    path = regen_cache_path(info.fingerprint, tok.chat_template, data, capture.regen_max_new_tokens)
+    convs = source_conversations(data)
+    have = done_ids(path)
+    missing = [c for c in convs if c[0] not in have]
+    print(f"[regenerate] {len(convs) - len(missing)} of {len(convs)} conversations cached in {path}")
+    if not missing:
+        return path
+    stop_ids = end_of_turn_ids(tok)
+    n = capture.regen_max_new_tokens
+    if capture.backend == "hf":
+        from capture.run import model_dtype, pick_device
+        from eagle3.targets import load_target_model
+
+        device = pick_device(capture.device)
+        model = load_target_model(target_dir, model_dtype(device), device, target.trust_remote_code)
+        return regenerate_conversations(convs, tok, hf_generate(model, stop_ids, n), path, data.max_length)
+    if capture.backend != "sglang":
+        raise SystemExit(f"error: capture.backend={capture.backend!r}: expected 'hf' or 'sglang'")
+    if capture.server_url:
+        gen = sglang_generate(capture.server_url, stop_ids, n, capture.concurrency, capture.spool_dir)
+        return regenerate_conversations(convs, tok, gen, path, data.max_length)
+    from capture.sglang_client import free_port, needs_remote_code, running_server, sglang_python
+    from capture.sglang_server import SPOOL_ENV
+
+    port = free_port()
+    cmd = [sglang_python(), "-m", "sglang.launch_server", "--model-path", str(target_dir),
+           "--tp-size", str(capture.tp_size), "--port", str(port),
+           *(["--trust-remote-code"] if needs_remote_code(target_dir) else []), *capture.server_args]
+    env = {k: v for k, v in os.environ.items() if k != SPOOL_ENV}
+    with running_server(cmd, env, path.with_suffix(".server.log"), port) as (url, _):
+        gen = sglang_generate(url, stop_ids, n, capture.concurrency)
+        return regenerate_conversations(convs, tok, gen, path, data.max_length)

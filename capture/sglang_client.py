@@ -1,0 +1,410 @@
+"""SGLang capture client: prompts -> capture server -> spool -> feature dataset.
+
+    python -m capture +experiment=kimi_k25                                   # launches the server
+    python -m capture +experiment=kimi_k25 capture.server_url=http://127.0.0.1:30000   # uses one
+
+capture/run.py calls capture_sglang(). It sends each pre-tokenized sample to /generate
+(`input_ids`, `rid`, max_new_tokens 0: prefill only); the server-side plugin
+(capture/sglang_plugin.py) writes `req_<rid>/` into the spool; this client packs every finished
+request into the feature dataset (FeatureWriter.add writes the sample at its planned place in its
+shard file at once, so nothing waits in memory or in the spool for the rest of its shard) and
+deletes it. Sending pauses while the spool, plus what the requests in flight will add, would pass
+capture.spool_budget_gb (tmpfs is RAM). Requests go out in shard-plan order, so shards complete
+one after another; a rerun keeps committed shards, reuses finished spool entries and sends the rest.
+
+The client reads the spool directly: it must run on the node of the server's TP rank 0.
+The server's Python is $EAGLE3_SGLANG_PYTHON (SGLang lives in its own environment), else this one.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import shutil
+import socket
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional, Sequence
+
+import torch
+
+from capture.sglang_plugin import SGLANG_VERSION, safe_rid
+from capture.sglang_server import capture_server_cmd, capture_server_env, launch, log_tail, stop
+from eagle3.config import CaptureConfig
+from eagle3.features import MANIFEST, FeatureDataset, FeatureWriter, make_meta
+
+SGLANG_PYTHON_ENV = "EAGLE3_SGLANG_PYTHON"
+SERVER_START_TIMEOUT = 3600.0     # Kimi-K2.5 takes many minutes to load on 8 GPUs
+REQUEST_TIMEOUT = 900.0           # one prefill-only request, queued behind `concurrency` others
+# A request answered by the server must show up in the spool within this time, or the plugin is
+# not capturing (not installed in the server's environment, EAGLE3_SPOOL_DIR not set, ...).
+SPOOL_TIMEOUT = 300.0
+_FILE_OVERHEAD = 4096             # torch.save's zip framing per file, an upper bound (bytes)
+_POLL = 0.02                      # seconds between spool polls when nothing happened
+
+
+# ----------------------------------------------------------------------------------------------
+# Small pieces (tests use them directly).
+
+def spool_rid(sample_id: str) -> str:
+    """A rid the plugin accepts as a directory name; ids that are already safe stay as they are.
+
+    Others (ShareGPT's "<id>#<k>", paths, long ids) become their safe characters plus a hash of
+    the whole id: deterministic, so a rerun finds the same spool entries.
+    """
+    sid = str(sample_id)
+    if safe_rid(sid) and len(sid) <= 150:
+        return sid
+    digest = hashlib.blake2b(sid.encode(), digest_size=6).hexdigest()
+    stem = re.sub(r"[^A-Za-z0-9_.:=+-]", "_", sid)[:120].lstrip(".")
+    return f"{stem}={digest}"
+
+
+def rid_map(sample_ids: Sequence[str]) -> Dict[str, str]:
+    """rid -> sample id for every sample; two samples may never share a rid."""
+    out: Dict[str, str] = {}
+    for sid in sample_ids:
+        rid = spool_rid(sid)
+        if rid in out:
+            raise ValueError(f"samples {out[rid]!r} and {sid!r} map to the same spool rid {rid!r}")
+        out[rid] = str(sid)
+    return out
+
+
+def request_bytes(num_tokens: int, num_aux: int, hidden: int) -> int:
+    """An upper bound on one request's spool size: k aux + final bf16 [T, H] files, plus meta."""
+    return (num_aux + 1) * (num_tokens * hidden * 2 + _FILE_OVERHEAD) + _FILE_OVERHEAD
+
+
+def spool_bytes(spool: Path) -> int:
+    """Bytes under the spool's request directories (finished or being written)."""
+    total = 0
+    try:
+        entries = list(os.scandir(spool))
+    except FileNotFoundError:
+        return 0
+    for e in entries:
+        if e.is_dir(follow_symlinks=False):
+            with contextlib.suppress(FileNotFoundError):
+                total += sum(f.stat().st_size for f in os.scandir(e.path) if f.is_file())
+    return total
+
+
+def server_version(url: str) -> Optional[str]:
+    """SGLang's version as the server reports it (/server_info; /get_server_info before 0.5.23)."""
+    for path in ("/server_info", "/get_server_info"):
+        try:
+            with urllib.request.urlopen(url.rstrip("/") + path, timeout=30) as r:
+                version = json.loads(r.read()).get("version")
+            if version:
+                return str(version)
+        except (urllib.error.URLError, OSError, ValueError):
+            continue
+    return None
+
+
+def post_json(url: str, body: Dict[str, Any], timeout: float = REQUEST_TIMEOUT) -> Dict[str, Any]:
+    """POST JSON, return the decoded answer; HTTP errors raise RuntimeError with the server's text."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        raise RuntimeError(f"HTTP {e.code}: {e.read().decode('utf-8', 'replace')[:2000]}") from None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def sglang_python() -> str:
+    return os.environ.get(SGLANG_PYTHON_ENV) or sys.executable
+
+
+def needs_remote_code(target_dir: Path) -> bool:
+    """Checkpoints that ship their own modelling code (Kimi-K2.5) name it in config.json's auto_map."""
+    cfg = json.loads((Path(target_dir) / "config.json").read_text())
+    return "auto_map" in cfg or "auto_map" in (cfg.get("text_config") or {})
+
+
+@contextlib.contextmanager
+def running_server(cmd: Sequence[str], env: Dict[str, str], log_path: Path, port: int,
+                   timeout: float = SERVER_START_TIMEOUT) -> Iterator[tuple]:
+    """Launch `cmd`, yield (url, process) once /health answers; stop it on exit, error or Ctrl-C."""
+    url = f"http://127.0.0.1:{port}"
+    print(f"[capture] starting SGLang ({log_path}): {' '.join(cmd)}")
+    proc = launch(cmd, env, str(log_path), url + "/health", timeout)
+    try:
+        yield url, proc
+    finally:
+        print("[capture] stopping the SGLang server")
+        stop(proc)
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading one finished spool entry.
+
+def read_entry(d: Path, sample, hidden: int, aux_layers: Sequence[int], rid: str):
+    """(aux [T, k*H] bf16, final [T, H] bf16) of req_<rid>/, checked against the sample.
+
+    A mismatch (token count, hidden size, number or ids of aux layers) raises naming the rid:
+    it means the server captured something other than what was sent.
+    """
+    meta = json.loads((d / "meta.json").read_text())
+    k, T = len(aux_layers), len(sample.input_ids)
+    where = f"request {rid} (sample {sample.id!r}, {d})"
+    if int(meta.get("num_tokens", -1)) != T:
+        raise RuntimeError(f"{where}: the spool holds {meta.get('num_tokens')} tokens, the sample "
+                           f"has {T}. The server did not prefill exactly the ids sent (a chat "
+                           "template or BOS added server-side, a truncated prompt?)")
+    if int(meta.get("hidden_size", -1)) != hidden:
+        raise RuntimeError(f"{where}: hidden size {meta.get('hidden_size')}, the target's is {hidden}: "
+                           "is the server serving another model?")
+    if meta.get("aux_layers") is not None and list(meta["aux_layers"]) != list(aux_layers):
+        raise RuntimeError(f"{where}: captured aux_layers {meta['aux_layers']}, this capture wants "
+                           f"{list(aux_layers)}: the server was launched for other layers")
+    aux = [torch.load(d / f"aux_{i}.pt", map_location="cpu", weights_only=True) for i in range(k)]
+    if (d / f"aux_{k}.pt").exists() or int(meta.get("num_aux", k)) != k:
+        raise RuntimeError(f"{where}: {meta.get('num_aux')} aux states in the spool, expected {k}")
+    final = torch.load(d / "final.pt", map_location="cpu", weights_only=True)
+    for name, t in [*((f"aux_{i}", a) for i, a in enumerate(aux)), ("final", final)]:
+        if tuple(t.shape) != (T, hidden):
+            raise RuntimeError(f"{where}: {name}.pt has shape {tuple(t.shape)}, expected {(T, hidden)}")
+    return torch.cat(aux, dim=-1), final
+
+
+# ----------------------------------------------------------------------------------------------
+# The packer loop.
+
+@dataclass
+class _Run:
+    """What the loop tracks: requests sent and not yet packed, refusals, counters."""
+    spool: Path
+    url: str
+    rids: Dict[str, str]                        # rid -> sample id
+    by_id: Dict[str, Any]                       # sample id -> sample
+    in_flight: Dict[str, Future] = field(default_factory=dict)    # HTTP request running
+    answered: Dict[str, float] = field(default_factory=dict)      # answered, waiting for `done`
+    refused: Dict[str, str] = field(default_factory=dict)         # sample id -> reason
+    inflight_bytes: int = 0
+    est: Dict[str, int] = field(default_factory=dict)             # rid -> estimated spool bytes
+
+
+def _send(url: str, rid: str, input_ids: List[int]) -> Dict[str, Any]:
+    return post_json(url + "/generate", {"input_ids": [int(t) for t in input_ids], "rid": rid,
+                                         "sampling_params": {"max_new_tokens": 0}})
+
+
+def _check_errors_file(spool: Path) -> None:
+    f = spool / "errors.txt"
+    if f.exists():
+        raise RuntimeError(f"the capture plugin reports a misconfigured server ({f}); fix it, delete "
+                           f"the file and rerun:\n{f.read_text()[-4000:]}")
+
+
+def _prepare_spool(spool: Path, rids: Dict[str, str], done: set) -> List[str]:
+    """Clean what an earlier run left; return rids whose finished entries can be packed as they are.
+
+    An old errors.txt belongs to an earlier server: it is kept aside, not acted on. Entries of
+    this run's pending samples are reused when finished, else removed (to be sent again); entries
+    of committed samples and of regeneration requests are removed; others are left alone.
+    """
+    spool.mkdir(parents=True, exist_ok=True)
+    old = spool / "errors.txt"
+    if old.exists():
+        aside = spool / f"errors.{time.strftime('%Y%m%d-%H%M%S')}.txt.old"
+        os.replace(old, aside)
+        print(f"[capture] warning: {old} from an earlier server moved to {aside.name}")
+    reuse, foreign = [], 0
+    for e in os.scandir(spool):
+        if not e.name.startswith("req_") or not e.is_dir():
+            continue
+        rid, d = e.name[4:], Path(e.path)
+        sid = rids.get(rid)
+        if sid is not None and sid not in done and (d / "done").exists():
+            reuse.append(rid)
+        elif sid is not None or rid.startswith("regen."):
+            shutil.rmtree(d, ignore_errors=True)
+        else:
+            foreign += 1
+    if foreign:
+        print(f"[capture] warning: {foreign} spool entries in {spool} belong to no sample of this "
+              "capture; they are left alone but count against the spool budget")
+    return reuse
+
+
+def _pack(run: _Run, writer: FeatureWriter, rid: str, hidden: int, aux_layers: Sequence[int]) -> int:
+    """Pack req_<rid>/ into the dataset and delete it; returns the sample's token count."""
+    d = run.spool / f"req_{rid}"
+    sample = run.by_id[run.rids[rid]]
+    aux, final = read_entry(d, sample, hidden, aux_layers, rid)
+    writer.add(sample.id, sample.input_ids, sample.loss_mask, aux, final)
+    shutil.rmtree(d, ignore_errors=True)
+    return len(sample.input_ids)
+
+
+def _poll(run: _Run, writer: FeatureWriter, hidden: int, aux_layers: Sequence[int], bar) -> bool:
+    """One pass over requests sent: collect answers, pack finished entries, note refusals."""
+    progressed = False
+    for rid, fut in list(run.in_flight.items()):
+        if not fut.done():
+            continue
+        del run.in_flight[rid]
+        progressed = True
+        exc = fut.exception()
+        if exc is not None:
+            run.refused[run.rids[rid]] = f"request {rid}: {exc}"
+            run.inflight_bytes -= run.est.pop(rid, 0)
+            bar.update(len(run.by_id[run.rids[rid]].input_ids))
+        else:
+            run.answered[rid] = time.monotonic()
+    for rid in list(run.in_flight) + list(run.answered):
+        d = run.spool / f"req_{rid}"
+        if (d / "done").exists():
+            bar.update(_pack(run, writer, rid, hidden, aux_layers))
+        elif (d / "error.txt").exists():
+            run.refused[run.rids[rid]] = f"request {rid}: {(d / 'error.txt').read_text().strip()}"
+            shutil.rmtree(d, ignore_errors=True)
+            bar.update(len(run.by_id[run.rids[rid]].input_ids))
+        elif rid in run.answered and time.monotonic() - run.answered[rid] > SPOOL_TIMEOUT:
+            raise RuntimeError(
+                f"request {rid} was answered {SPOOL_TIMEOUT:.0f} s ago but {d} never appeared: the "
+                "server is not capturing. Check its log for 'eagle3 capture plugin: spooling' (the "
+                "plugin's entry point must be installed in the server's environment) and that "
+                "EAGLE3_SPOOL_DIR names this spool on this node")
+        else:
+            continue
+        progressed = True
+        run.answered.pop(rid, None)
+        fut = run.in_flight.pop(rid, None)
+        if fut is not None:   # spooled before its answer arrived: the answer is not needed
+            fut.add_done_callback(lambda f: f.exception())
+        run.inflight_bytes -= run.est.pop(rid, 0)
+    return progressed
+
+
+def pack_requests(samples: Sequence[Any], writer: FeatureWriter, url: str, spool: Path,
+                  aux_layers: Sequence[int], hidden: int, concurrency: int, budget_bytes: int,
+                  proc=None, log_path: Optional[Path] = None, progress: bool = True) -> Dict[str, str]:
+    """Send every sample of the writer's pending shards, pack them; returns {sample id: reason} of
+    refused requests (the caller fails the run with them)."""
+    from tqdm import tqdm
+
+    pending = [samples[i] for shard in writer.pending_shards() for i in shard]
+    rids = rid_map([s.id for s in samples])
+    run = _Run(spool, url.rstrip("/"), rids, {str(s.id): s for s in samples})
+    reuse = set(_prepare_spool(spool, rids, writer.done_ids()))
+    (spool / "rids.json").write_text(json.dumps({r: s for r, s in rids.items() if r != s}))
+    k = len(aux_layers)
+    bar = tqdm(total=sum(len(s.input_ids) for s in pending), unit="tok", unit_scale=True,
+               desc="capture", disable=not progress, smoothing=0.05)
+    pool = ThreadPoolExecutor(max(1, int(concurrency)), thread_name_prefix="eagle3-capture-http")
+    queue = list(reversed(pending))            # pop() from the end = plan order
+    last_size = (0.0, 0)
+    try:
+        while queue or run.in_flight or run.answered:
+            _check_errors_file(spool)
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"the capture server exited with code {proc.returncode}; last lines "
+                                   f"of {log_path}:\n{log_tail(str(log_path))}")
+            now = time.monotonic()
+            if now - last_size[0] > 0.5:       # a directory walk: not every iteration
+                last_size = (now, spool_bytes(spool))
+            while queue and len(run.in_flight) < concurrency:
+                s = queue[-1]
+                rid = spool_rid(s.id)
+                if rid in reuse:               # finished by an earlier run, never packed
+                    queue.pop()
+                    run.answered[rid] = now
+                    continue
+                est = request_bytes(len(s.input_ids), k, hidden)
+                # With nothing in flight, send anyway: one request over budget (or entries that
+                # are not ours) must not stall the run forever.
+                busy = bool(run.in_flight or run.answered)
+                if busy and last_size[1] + run.inflight_bytes + est > budget_bytes:
+                    break                      # pause: the spool would pass its budget
+                queue.pop()
+                run.est[rid] = est
+                run.inflight_bytes += est
+                run.in_flight[rid] = pool.submit(_send, run.url, rid, s.input_ids)
+            progressed = _poll(run, writer, hidden, aux_layers, bar)
+            if progressed:
+                last_size = (time.monotonic(), spool_bytes(spool))
+            bar.set_postfix(spool=f"{last_size[1] / 2**30:.2f}GB", flight=len(run.in_flight),
+                            refused=len(run.refused), refresh=False)
+            if not progressed:
+                time.sleep(_POLL)
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+        bar.close()
+    return run.refused
+
+
+# ----------------------------------------------------------------------------------------------
+# Entry point (capture/run.py).
+
+def capture_sglang(target_dir: Path, info, tok, samples: Sequence[Any], aux_layers: Sequence[int],
+                   capture: CaptureConfig, data_meta: Dict[str, Any], out_dir: Path,
+                   progress: bool = True) -> Path:
+    """Capture `samples` (objects with .id, .input_ids, .loss_mask) through an SGLang capture server.
+
+    info: eagle3.targets.TargetInfo; tok: the tokenizer (its name and chat template go to the
+    manifest). Launches the server (TP capture.tp_size, aux ids via eagle3.engine_ids) unless
+    capture.server_url is set, and stops it on exit. Resumable like the hf backend.
+    """
+    out_dir, spool = Path(out_dir), Path(capture.spool_dir)
+
+    def meta_of(version: str) -> Dict[str, Any]:
+        return make_meta(target_name=info.name, target_fingerprint=info.fingerprint, arch=info.model_type,
+                         aux_layers=aux_layers, hidden_size=info.hidden_size,
+                         tokenizer_name=getattr(tok, "name_or_path", ""),
+                         chat_template=getattr(tok, "chat_template", None), engine="sglang",
+                         engine_version=version, data=data_meta)
+
+    if (out_dir / MANIFEST).exists():
+        expected = {k: v for k, v in meta_of("").items() if k != "engine"}
+        FeatureDataset(out_dir, expected=expected)
+        print(f"capture: {out_dir} is complete; nothing to do")
+        return out_dir
+    with contextlib.ExitStack() as stack:
+        proc, log_path, url = None, None, capture.server_url
+        if not url:
+            port = free_port()
+            log_path = out_dir.with_name(out_dir.name + ".capture_server.log")
+            cmd = capture_server_cmd(str(target_dir), capture.tp_size, aux_layers, info.model_type, port,
+                                     capture.server_args, trust_remote_code=needs_remote_code(target_dir),
+                                     python=sglang_python())
+            url, proc = stack.enter_context(running_server(
+                cmd, capture_server_env(str(spool), aux_layers), log_path, port))
+        version = server_version(url) or SGLANG_VERSION
+        ids = [str(s.id) for s in samples]
+        writer = FeatureWriter(out_dir, meta_of(version), ids, [len(s.input_ids) for s in samples],
+                               dtype=capture.dtype, shard_tokens=capture.shard_tokens)
+        n_pending = len(writer.pending_shards())
+        if n_pending < len(writer.plan):
+            print(f"capture: resuming {writer.partial}: {len(writer.plan) - n_pending} of "
+                  f"{len(writer.plan)} shards already done")
+        print(f"[capture] SGLang {version} at {url}: {sum(map(len, writer.pending_shards()))} samples "
+              f"to capture, spool {spool} (budget {capture.spool_budget_gb} GB)")
+        try:
+            refused = pack_requests(samples, writer, url, spool, aux_layers, info.hidden_size,
+                                    capture.concurrency, int(capture.spool_budget_gb * 2**30), proc,
+                                    log_path, progress)
+        except KeyboardInterrupt:
+            print(f"\ncapture: interrupted; committed shards are kept in {writer.partial}: rerun to resume")
+            raise
+    if refused:
+        lines = "\n".join(f"  {sid}: {why}" for sid, why in list(refused.items())[:50])
+        raise RuntimeError(f"capture: {len(refused)} request(s) refused (shards without them stay "
+                           f"uncommitted in {writer.partial}; rerun to retry them):\n{lines}")
+    return writer.finish()

@@ -1,0 +1,226 @@
+"""Our exported drafter, loaded by SGLang 0.5.23's own LlamaForCausalLMEagle3 on CPU.
+
+    .venv-sglang/bin/python -m pytest tests/sglang/test_loader.py -q
+
+Independent truth: the tensors of the Eagle3Drafter we exported (eagle3.export.export_drafter).
+SGLang's load_weights silently skips names it does not know, so every SGLang parameter is
+compared with ours after loading: none may be left at its initial value. q/k/v and gate/up are
+stacked in SGLang (qkv_proj, gate_up_proj): compared slice by slice. Vocab-parallel tables are
+padded to a multiple of 64 rows: the first rows are compared.
+
+Also the config-id chain on the draft side: our export's eagle_config ids -> SGLang's spec
+aux-hidden-state resolution -> the target's set_eagle3_layers_to_capture -> layers_to_capture,
+which must equal our aux_layers (Llama: written i-1; DeepSeek/Kimi: as given).
+
+Not done here: a forward comparison. SGLang's draft forward runs attention through RadixAttention
+and a ForwardBatch's attention backend, KV pools and spec_info; on CPU that means building the
+torch-native backend, a req_to_token pool and a KV pool by hand. The loader check pins every
+weight; the forward equivalence of our module with SGLang's is argued in eagle3/model.py.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import types
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("sglang.srt.models.llama_eagle3",
+                    reason="SGLang is not installed; run with .venv-sglang/bin/python -m pytest tests/sglang")
+
+import torch  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+from capture.sglang_server import eval_server_cmd  # noqa: E402
+from eagle3.export import export_drafter  # noqa: E402
+from eagle3.model import DrafterShape, Eagle3Drafter  # noqa: E402
+
+SHAPE = DrafterShape(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=16, vocab_size=300, draft_vocab_size=50, target_hidden_size=48, num_aux=3)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def sglang_world(tmp_path_factory):
+    """A gloo world of one with SGLang's runtime context published for a CPU server."""
+    from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
+    from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
+    from sglang.srt.server_args import ServerArgs
+
+    # Its rotary embedding imports vllm._custom_ops off CUDA; the loader never calls it.
+    if "vllm._custom_ops" not in sys.modules:
+        ops = types.ModuleType("vllm._custom_ops")
+
+        def rotary_embedding(*args, **kwargs):
+            raise RuntimeError("stand-in vllm._custom_ops: not for computing")
+        ops.rotary_embedding = rotary_embedding
+        vllm = sys.modules.setdefault("vllm", types.ModuleType("vllm"))
+        vllm._custom_ops = ops
+        sys.modules["vllm._custom_ops"] = ops
+    d = tmp_path_factory.mktemp("cfg")
+    (d / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                                               "hidden_size": 64, "num_attention_heads": 4,
+                                               "num_hidden_layers": 2, "vocab_size": 300}))
+    reset_context()
+    publish(ServerArgs(model_path=str(d), tp_size=1, device="cpu"), role="scheduler",
+            ranks=SpawnRanks(world_rank=0))
+    init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                 distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
+    initialize_model_parallel(backend="gloo")
+    yield
+    # SGLang's destroy_model_parallel imports its HTTP launcher (uvicorn, not installed here): end
+    # the gloo group itself; SGLang's group handles stay set for the rest of this process.
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    reset_context()
+
+
+def export(tmp_path: Path, aux_layers, target_arch: str, seed: int = 0) -> Path:
+    torch.manual_seed(seed)
+    model = Eagle3Drafter(SHAPE)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_()                      # norms too: an un-loaded ones() would not pass as ours
+    d2t = torch.randint(0, 200, (SHAPE.draft_vocab_size,))
+    t2d = torch.zeros(SHAPE.vocab_size, dtype=torch.bool)
+    t2d[d2t + torch.arange(SHAPE.draft_vocab_size)] = True
+    return export_drafter(tmp_path / "export", model.exportable_state_dict(), SHAPE, d2t, t2d, aux_layers,
+                          target_arch, engines=["sglang"])["sglang"]
+
+
+def load_into_sglang(export_dir: Path):
+    from transformers import LlamaConfig
+    from sglang.srt.models.llama_eagle3 import LlamaForCausalLMEagle3
+
+    cfg = LlamaConfig(**json.loads((export_dir / "config.json").read_text()))
+    model = LlamaForCausalLMEagle3(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(12345.0)                 # a value no exported tensor holds
+    model.load_weights(load_file(str(export_dir / "model.safetensors")).items())
+    return model
+
+
+def expected_parameters(ours, s: DrafterShape):
+    """SGLang parameter name -> (our tensor, the slice of SGLang's parameter it must fill)."""
+    q, kv, inter = s.num_attention_heads * s.head_dim, s.num_key_value_heads * s.head_dim, s.intermediate_size
+    L = "model.layers.0."
+    return {
+        "model.fc.weight": [(ours["fc.weight"], slice(None))],
+        L + "self_attn.qkv_proj.weight": [(ours["midlayer.self_attn.q_proj.weight"], slice(0, q)),
+                                          (ours["midlayer.self_attn.k_proj.weight"], slice(q, q + kv)),
+                                          (ours["midlayer.self_attn.v_proj.weight"], slice(q + kv, q + 2 * kv))],
+        L + "self_attn.o_proj.weight": [(ours["midlayer.self_attn.o_proj.weight"], slice(None))],
+        L + "mlp.gate_up_proj.weight": [(ours["midlayer.mlp.gate_proj.weight"], slice(0, inter)),
+                                        (ours["midlayer.mlp.up_proj.weight"], slice(inter, 2 * inter))],
+        L + "mlp.down_proj.weight": [(ours["midlayer.mlp.down_proj.weight"], slice(None))],
+        L + "input_layernorm.weight": [(ours["midlayer.input_layernorm.weight"], slice(None))],
+        L + "post_attention_layernorm.weight": [(ours["midlayer.post_attention_layernorm.weight"], slice(None))],
+        L + "hidden_norm.weight": [(ours["midlayer.hidden_norm.weight"], slice(None))],
+        "model.norm.weight": [(ours["norm.weight"], slice(None))],
+        "lm_head.weight": [(ours["lm_head.weight"], slice(0, s.draft_vocab_size))],
+    }
+
+
+@pytest.mark.parametrize("target_arch,aux_layers,config_ids", [
+    ("llama", [2, 4, 5], [1, 3, 4]),               # SGLang's Llama rule adds 1: written i-1
+    ("deepseek_v3", [3, 31, 59], [3, 31, 59]),     # DeepSeek/Kimi rule: as given
+])
+def test_every_parameter_is_ours(sglang_world, tmp_path, target_arch, aux_layers, config_ids):
+    export_dir = export(tmp_path, aux_layers, target_arch)
+    cfg = json.loads((export_dir / "config.json").read_text())
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == config_ids
+    ours = load_file(str(export_dir / "model.safetensors"))
+    model = load_into_sglang(export_dir)
+    params = dict(model.named_parameters())
+    want = expected_parameters(ours, SHAPE)
+    # The shared embedding is the target's (not exported); every other parameter must be covered.
+    assert set(params) - set(want) == {"model.embed_tokens.weight"}
+    for name, parts in want.items():
+        p = params[name].detach()
+        covered = torch.zeros(p.shape[0], dtype=torch.bool)
+        for tensor, rows in parts:
+            torch.testing.assert_close(p[rows].to(tensor.dtype), tensor, rtol=0, atol=0, msg=name)
+            covered[rows] = True
+        pad = p[~covered]                     # vocab padding rows only (lm_head 50 -> 64)
+        assert name == "lm_head.weight" or pad.numel() == 0, name
+        assert not (p[covered] == 12345.0).any(), f"{name}: left at its initial value"
+    assert torch.equal(model.hot_token_id, ours["d2t"] + torch.arange(SHAPE.draft_vocab_size))
+
+
+def _capturing(cls, num_layers):
+    holder = type("Holder", (), {"set_eagle3_layers_to_capture": cls.set_eagle3_layers_to_capture})()
+    holder.pp_group = SimpleNamespace(is_last_rank=True)
+    holder.model = SimpleNamespace(layers_to_capture=[])
+    holder.config = SimpleNamespace(num_hidden_layers=num_layers)
+    return holder
+
+
+def _target_dir(tmp_path: Path, arch: str) -> Path:
+    d = tmp_path / f"target_{arch}"
+    d.mkdir()
+    if arch == "llama":
+        cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 48,
+               "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2,
+               "num_hidden_layers": 8, "vocab_size": 300, "max_position_embeddings": 2048,
+               "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16"}
+    else:
+        cfg = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 48,
+               "intermediate_size": 96, "moe_intermediate_size": 32, "num_attention_heads": 4,
+               "num_key_value_heads": 4, "num_hidden_layers": 61, "first_k_dense_replace": 1,
+               "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 2,
+               "topk_group": 1, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8,
+               "qk_nope_head_dim": 16, "v_head_dim": 16, "vocab_size": 300,
+               "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "torch_dtype": "bfloat16"}
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+@pytest.mark.parametrize("target_arch,aux_layers", [("llama", [2, 4, 5]), ("deepseek_v3", [3, 31, 59])])
+def test_draft_config_ids_reach_layers_to_capture(tmp_path, target_arch, aux_layers):
+    """eval_server_cmd with our export -> SGLang resolves the draft's eagle_config ids -> the
+    target class's own set_eagle3_layers_to_capture -> layers_to_capture == aux_layers."""
+    from sglang.srt.arg_groups.model_override_base import resolved_view
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.model_executor.model_runner_components.attention_backend_setup import (
+        configure_aux_hidden_state_capture)
+    from sglang.srt.model_executor.model_runner_components.spec_aux_hidden_state import (
+        resolve_spec_aux_hidden_state_config)
+    from sglang.srt.models.deepseek_v2 import DeepseekV2ForCausalLM
+    from sglang.srt.models.llama import LlamaForCausalLM
+    from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
+    from sglang.srt.server_args import prepare_server_args
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    target = _target_dir(tmp_path, target_arch)
+    draft = export(tmp_path, aux_layers, target_arch)
+    cmd = eval_server_cmd(str(target), str(draft), 1, 3, 1, 0, _free_port(),
+                          ["--device", "cpu", "--skip-tokenizer-init"])
+    sa = prepare_server_args(cmd[3:])
+    sa.resolve_once()
+    assert resolved_view(sa).speculative_draft_model_path == str(draft)
+    reset_context()
+    try:
+        publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=0))
+        cfg = resolve_spec_aux_hidden_state_config(
+            server_args=sa, model_config=ModelConfig.from_server_args(sa),
+            spec_algorithm=SpeculativeAlgorithm.EAGLE3, is_draft_worker=False)
+        cls = LlamaForCausalLM if target_arch == "llama" else DeepseekV2ForCausalLM
+        model = _capturing(cls, 61)
+        configure_aux_hidden_state_capture(
+            model=model, eagle_use_aux_hidden_state=cfg.eagle_use_aux_hidden_state,
+            eagle_aux_hidden_state_layer_ids=cfg.eagle_aux_hidden_state_layer_ids,
+            dflash_use_aux_hidden_state=cfg.dflash_use_aux_hidden_state,
+            dflash_target_layer_ids=cfg.dflash_target_layer_ids, is_dspark=cfg.is_dspark)
+    finally:
+        reset_context()
+    assert cfg.eagle_use_aux_hidden_state and model.capture_aux_hidden_states
+    assert model.model.layers_to_capture == aux_layers

@@ -1,0 +1,61 @@
+"""Data-parallel training on CPU (gloo): sharding, rank-0-only outputs, multi-process resume."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from train import batch_indices  # noqa: E402
+
+
+@pytest.mark.parametrize("n,batch,world", [(55, 4, 2), (64, 8, 4), (10, 5, 1)])
+def test_an_epoch_shards_every_sample_at_most_once(n, batch, world):
+    per_epoch = n // batch
+    for epoch in range(2):
+        seen = []
+        for step in range(epoch * per_epoch, (epoch + 1) * per_epoch):
+            idx = batch_indices(step, n, batch, seed=3)
+            per_rank = batch // world
+            shards = [idx[r * per_rank:(r + 1) * per_rank] for r in range(world)]
+            assert sum(map(len, shards)) == batch
+            seen += [i for s in shards for i in s]
+        assert len(seen) == len(set(seen)) == per_epoch * batch     # nothing twice in an epoch
+        assert set(seen) <= set(range(n))
+    # a different epoch is a different order
+    assert batch_indices(0, n, batch, 3) != batch_indices(per_epoch, n, batch, 3) or n == batch
+
+
+def torchrun(*overrides, nproc=2):
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", HYDRA_FULL_ERROR="1")
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                        "--master_port", "29541", "train.py", *overrides],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    return p
+
+
+def test_two_processes_log_once_checkpoint_and_resume(tmp_path):
+    common = ["+experiment=tiny", f"data.features_dir={tmp_path}/features", "train.steps=6",
+              "train.log_every=1", "train.save_every=3", "train.eval_every=3"]
+    subprocess.run([sys.executable, "-m", "capture", "+experiment=tiny", f"data.features_dir={tmp_path}/features"],
+                   cwd=ROOT, check=True, capture_output=True, env=dict(os.environ, OMP_NUM_THREADS="2"))
+    p = torchrun(*common, f"run_dir={tmp_path}/run")
+    assert "world 2" in p.stdout
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train_steps = [r["step"] for r in rows if r["split"] == "train"]
+    assert train_steps == list(range(6))                          # one row per step: rank 0 only
+    assert (tmp_path / "run" / "checkpoints" / "step_0000003").is_dir()
+    assert not list((tmp_path / "run").glob("checkpoints/.tmp*"))
+    full = {r["step"]: r["loss"] for r in rows if r["split"] == "train"}
+
+    (tmp_path / "run" / "checkpoints" / "latest").write_text("step_0000003\n")
+    torchrun(*common, f"run_dir={tmp_path}/run", "resume=true")
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    resumed = {r["step"]: r["loss"] for r in rows if r["split"] == "train"}
+    assert sorted(resumed) == list(range(6))
+    for step in range(3, 6):
+        assert resumed[step] == pytest.approx(full[step], rel=1e-6)

@@ -1,0 +1,137 @@
+"""Response regeneration (capture/regenerate.py) on a tiny random Llama with SmolLM2's tokenizer.
+
+    .venv/bin/python -m pytest tests/test_regenerate.py -q
+
+Independent truth: for every regenerated assistant turn, transformers' own greedy `generate` on
+that turn's rendered prompt alone (no batching, no padding), cut at the end-of-turn token.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from capture import regenerate as R
+from eagle3.config import CaptureConfig, DataConfig, TargetConfig
+from eagle3.data import build_samples
+from eagle3.targets import resolve_target, smollm2_tokenizer
+
+NEW = 6
+CONVS = [
+    ("a", [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."},
+           {"role": "user", "content": "Another one?"}, {"role": "assistant", "content": "Red."}]),
+    ("b", [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"},
+           {"role": "assistant", "content": "Hi."}]),
+    ("c", [{"role": "assistant", "content": "I speak first."}, {"role": "user", "content": "Why?"},
+           {"role": "user", "content": "Really, why?"}, {"role": "assistant", "content": "Because."},
+           {"role": "user", "content": "And then?"}]),
+]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return smollm2_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tok):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                      initializer_range=0.1)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def reference_answer(model, tok, messages, stop_ids):
+    """transformers' greedy generate on one unpadded prompt, cut at the first end-of-turn token."""
+    ids = torch.tensor([R.prompt_ids(tok, messages)])
+    with torch.no_grad():
+        out = model.generate(ids, do_sample=False, max_new_tokens=NEW, eos_token_id=stop_ids,
+                             pad_token_id=stop_ids[0])
+    new, _ = R.cut_at_stop(out[0, ids.shape[1]:].tolist(), stop_ids)
+    return tok.decode(new, skip_special_tokens=False)
+
+
+def read(path):
+    return [json.loads(line) for line in open(path)]
+
+
+def test_end_of_turn_is_im_end(tok):
+    assert R.end_of_turn_ids(tok)[0] == tok.convert_tokens_to_ids("<|im_end|>")
+
+
+def test_answers_are_greedy_generate_and_resume_skips_done_ids(tok, model, tmp_path):
+    stop_ids = R.end_of_turn_ids(tok)
+    calls = []
+
+    def counting(gen):
+        def run(prompts):
+            calls.append(len(prompts))
+            return gen(prompts)
+        return run
+
+    path = tmp_path / "regen.jsonl"
+    gen = counting(R.hf_generate(model, stop_ids, NEW, batch_size=2))   # batches of 2, left padding
+    R.regenerate_conversations(CONVS, tok, gen, path, max_prompt_tokens=1024, progress=False)
+    recs = read(path)
+    assert [r["id"] for r in recs] == ["a", "b", "c"]
+    # Structure: original assistant turns dropped, one answer after every run of user turns.
+    roles = [[m["role"] for m in r["messages"]] for r in recs]
+    assert roles == [["user", "assistant", "user", "assistant"], ["system", "user", "assistant"],
+                     ["user", "user", "assistant", "user", "assistant"]]
+    originals = {cid: [m for m in msgs if m["role"] != "assistant"] for cid, msgs in CONVS}
+    n_answers = 0
+    for r in recs:
+        assert [m for m in r["messages"] if m["role"] != "assistant"] == originals[r["id"]]
+        for i, m in enumerate(r["messages"]):
+            if m["role"] == "assistant":
+                assert m["content"] == reference_answer(model, tok, r["messages"][:i], stop_ids)
+                assert m["content"] not in ("Blue.", "Red.", "Hi.", "Because.")
+                n_answers += 1
+    assert n_answers == 5 and sum(calls) == 5
+    assert all(len(r["regen"]["new_tokens"]) == len(r["regen"]["finished"]) for r in recs)
+
+    # Resume: a torn last line is cut off, done ids are skipped, only the new conversation runs.
+    first = path.read_bytes()
+    with open(path, "ab") as f:
+        f.write(b'{"id": "d", "messa')
+    calls.clear()
+    extra = ("d", [{"role": "user", "content": "One more question."}])
+    R.regenerate_conversations(CONVS + [extra], tok, gen, path, max_prompt_tokens=1024, progress=False)
+    assert calls == [1] and path.read_bytes().startswith(first)
+    assert [r["id"] for r in read(path)] == ["a", "b", "c", "d"]
+
+
+def test_a_prompt_at_max_length_ends_the_conversation(tok, model, tmp_path):
+    stop_ids = R.end_of_turn_ids(tok)
+    first = len(R.prompt_ids(tok, CONVS[0][1][:1]))
+    path = tmp_path / "regen.jsonl"
+    R.regenerate_conversations(CONVS[:1], tok, R.hf_generate(model, stop_ids, NEW), path,
+                               max_prompt_tokens=first + NEW + 2, progress=False)
+    (rec,) = read(path)
+    assert [m["role"] for m in rec["messages"]] == ["user", "assistant"]   # turn 2 would be cut away
+
+
+def test_load_samples_reads_the_regenerated_conversations(tok, tmp_path, monkeypatch):
+    from capture.run import load_samples
+
+    monkeypatch.setattr(R, "cache_root", lambda: tmp_path / "cache")
+    src = tmp_path / "convs.jsonl"
+    src.write_text("".join(json.dumps({"id": cid, "messages": m}) + "\n" for cid, m in CONVS))
+    rc = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "max_position_embeddings": 1024}
+    target = TargetConfig(name="tiny_regen", source="random", arch="llama", random_config=rc)
+    target_dir = resolve_target(target.source, "", target.name, target.arch, rc, 0)
+    data = DataConfig(source="jsonl", path=str(src), num_samples=3, max_length=256, heldout_fraction=0.0)
+    cap = CaptureConfig(backend="hf", regenerate=True, regen_max_new_tokens=NEW, device="cpu")
+    tok2, train, _ = load_samples(target_dir, target, data, cap)
+    (cache,) = list((tmp_path / "cache" / "regen").glob("*.jsonl"))
+    recs = {r["id"]: r for r in read(cache)}
+    assert [s.id for s in train] == ["a", "b", "c"]
+    ref, _, _ = build_samples(tok2, "jsonl", str(cache), 0, 256, 0.0)
+    assert [(s.id, s.input_ids, s.loss_mask) for s in train] == [(s.id, s.input_ids, s.loss_mask) for s in ref]
+    for s in train:
+        text = tok2.decode(s.input_ids)
+        assert "Blue." not in text and recs[s.id]["messages"][-1]["content"] in text

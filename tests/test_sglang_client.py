@@ -1,0 +1,319 @@
+"""The SGLang capture client against a fake capture server, in the main environment (no SGLang).
+
+    .venv/bin/python -m pytest tests/test_sglang_client.py -q
+
+The fake server is a real HTTP server on 127.0.0.1: for each /generate it computes the tiny
+target's hidden states with capture.hf.capture_hidden (one unpadded sample) and writes the spool
+entry with the plugin's own write_request / write_error, a little after answering (the plugin
+writes on a background thread). Independent truth: the hf backend's dataset of the same samples
+(padded batches, its own writer path), compared field by field and within bf16 rounding.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from capture.hf import capture_hidden, hf_meta, run_capture
+from capture.sglang_client import capture_sglang, request_bytes, rid_map, spool_bytes, spool_rid
+from capture.sglang_plugin import safe_rid, write_error, write_request
+from eagle3.config import CaptureConfig
+from eagle3.features import FeatureDataset
+from eagle3.targets import target_info
+
+AUX = [1, 3, 4]
+BF16_RTOL = 2 ** -7
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
+    model = LlamaForCausalLM(cfg).eval()
+    d = tmp_path_factory.mktemp("tiny") / "tiny_llama"
+    model.save_pretrained(d)
+    return model, target_info(d, "tiny_llama")
+
+
+def make_samples(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = ["c0", "sg#1", "a/b", "c3"] + [f"c{i}" for i in range(4, n)]   # two ids need a mapped rid
+    out = []
+    for i in range(n):
+        T = int(torch.randint(4, 30, (1,), generator=g))
+        out.append(SimpleNamespace(id=ids[i], input_ids=torch.randint(3, 512, (T,), generator=g).tolist(),
+                                   loss_mask=[int(t >= T // 2) for t in range(T)]))
+    return out
+
+
+class FakeServer:
+    """/generate -> spool entry (as the plugin writes it); /server_info -> a version; /health."""
+
+    def __init__(self, model, spool: Path, refuse=(), short=(), misconfigure_after=None, delay=0.01):
+        self.model, self.spool, self.delay = model, Path(spool), delay
+        self.refuse, self.short, self.misconfigure_after = set(refuse), set(short), misconfigure_after
+        self.received, self.max_spool, self.lock = [], 0, threading.Lock()
+        self.model_lock = threading.Lock()
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def _reply(self, obj, code=200):
+                raw = json.dumps(obj).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(raw)))
+                self.end_headers()
+                self.wfile.write(raw)
+
+            def do_GET(self):
+                self._reply({"version": "0.5.23"} if self.path == "/server_info" else {})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                assert body["sampling_params"] == {"max_new_tokens": 0}
+                rid, ids = body["rid"], body["input_ids"]
+                with fake.lock:
+                    fake.received.append(rid)
+                    n = len(fake.received)
+                self._reply({"text": "", "meta_info": {"id": rid, "prompt_tokens": len(ids)}})
+                threading.Timer(fake.delay, fake.write, (rid, ids, n)).start()
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def write(self, rid, ids, n):
+        if self.misconfigure_after is not None and n > self.misconfigure_after:
+            write_error(self.spool, None, "pass not captured: ValueError('rows without rids')")
+            return
+        if rid in self.refuse:
+            write_error(self.spool, rid, f"request {rid}: prefill starts at position 5 ...")
+            return
+        with self.model_lock, torch.no_grad():   # forward hooks on one model: one forward at a time
+            aux, final = capture_hidden(self.model, torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long), AUX)
+        H = final.shape[-1]
+        aux_list, final = [a[0] for a in aux.split(H, dim=-1)], final[0]
+        if rid in self.short:                        # the server prefilled one token less
+            aux_list, final = [a[:-1] for a in aux_list], final[:-1]
+        write_request(self.spool, rid, aux_list, final, AUX, [a - 1 for a in AUX])
+        with self.lock:
+            self.max_spool = max(self.max_spool, spool_bytes(self.spool))
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def run_client(target, samples, out, spool, server, **kw):
+    model, info = target
+    cfg = CaptureConfig(backend="sglang", server_url=server.url, spool_dir=str(spool),
+                        shard_tokens=kw.pop("shard_tokens", 60), concurrency=kw.pop("concurrency", 4),
+                        spool_budget_gb=kw.pop("budget", 1.0))
+    tok = SimpleNamespace(name_or_path="tiny-tok", chat_template="{{ x }}")
+    data_meta = {"source": "fake", "num_samples": len(samples)}
+    return capture_sglang(Path(info.path), info, tok, samples, AUX, cfg, data_meta, out, progress=False)
+
+
+def hf_dataset(target, samples, out):
+    model, info = target
+    meta = hf_meta(target_name=info.name, target_fingerprint=info.fingerprint, arch=info.model_type,
+                   aux_layers=AUX, hidden_size=info.hidden_size, tokenizer_name="tiny-tok",
+                   chat_template="{{ x }}", data={"source": "fake", "num_samples": len(samples)})
+    return run_capture(model, samples, out, aux_layers=AUX, meta=meta, batch_tokens=64, shard_tokens=60,
+                       progress=False)
+
+
+def spool_entries(spool):
+    return sorted(p.name for p in Path(spool).iterdir() if p.name.startswith("req_"))
+
+
+def test_rids_are_safe_deterministic_and_unique():
+    ids = ["plain_id-1", "QWE12#1", "a/b", "../x", "x" * 300, ".hidden", "with space"]
+    rids = [spool_rid(i) for i in ids]
+    assert rids[0] == "plain_id-1"                             # safe ids are kept
+    assert all(safe_rid(r) for r in rids) and rids == [spool_rid(i) for i in ids]
+    assert len(set(rids)) == len(ids) and set(rid_map(ids).values()) == set(ids)
+    assert spool_rid("a#1") != spool_rid("a_1") and spool_rid("a_1") == "a_1"
+
+
+def test_packed_dataset_equals_hf_backend(target, tmp_path):
+    samples = make_samples(12)
+    server = FakeServer(target[0], tmp_path / "spool")
+    try:
+        ds = FeatureDataset(run_client(target, samples, tmp_path / "sg", tmp_path / "spool", server))
+    finally:
+        server.close()
+    ref = FeatureDataset(hf_dataset(target, samples, tmp_path / "hf"))
+    ds.validate()
+    a = {k: v for k, v in ds.manifest.items() if k != "engine"}
+    b = {k: v for k, v in ref.manifest.items() if k != "engine"}
+    assert a == b and a["totals"]["num_shards"] > 2
+    assert ds.manifest["engine"] == {"name": "sglang", "version": "0.5.23"}
+    assert sorted(server.received) == sorted(spool_rid(s.id) for s in samples)
+    for i, s in enumerate(samples):
+        got, want = ds[i], ref[i]
+        assert ds.sample_id(i) == s.id and got["input_ids"].tolist() == s.input_ids
+        assert torch.equal(got["loss_mask"], want["loss_mask"])
+        for name in ("aux", "final"):
+            w = want[name].float()
+            torch.testing.assert_close(got[name].float(), w, rtol=BF16_RTOL,
+                                       atol=1e-4 * w.pow(2).mean().sqrt().item())
+    assert spool_entries(tmp_path / "spool") == []             # every entry packed and deleted
+
+
+def test_budget_pause_is_honoured(target, tmp_path):
+    samples = make_samples(16, seed=1)
+    biggest = max(request_bytes(len(s.input_ids), 3, 64) for s in samples)
+    budget = 2.5 * biggest                                     # two requests at a time, at most
+    server = FakeServer(target[0], tmp_path / "spool", delay=0.05)
+    try:
+        ds = FeatureDataset(run_client(target, samples, tmp_path / "sg", tmp_path / "spool", server,
+                                       concurrency=8, budget=budget / 2**30))
+    finally:
+        server.close()
+    assert len(ds) == 16 and spool_entries(tmp_path / "spool") == []
+    assert 0 < server.max_spool <= budget
+    # Without the budget, 8 requests land at once: the measurement can see a pause's effect.
+    server = FakeServer(target[0], tmp_path / "spool2", delay=0.05)
+    try:
+        run_client(target, samples, tmp_path / "sg2", tmp_path / "spool2", server, concurrency=8)
+    finally:
+        server.close()
+    assert server.max_spool > budget
+
+
+def test_resume_after_a_mid_run_stop(target, tmp_path):
+    samples = make_samples(14, seed=2)
+    spool = tmp_path / "spool"
+    server = FakeServer(target[0], spool, misconfigure_after=7)
+    try:
+        with pytest.raises(RuntimeError, match="misconfigured"):
+            run_client(target, samples, tmp_path / "sg", spool, server, concurrency=2)
+    finally:
+        server.close()
+    partial = tmp_path / "sg.partial"
+    progress = json.loads((partial / "progress.json").read_text())
+    committed = {sid for s in progress["done"] for sid in
+                 [samples[i].id for i in _plan(samples)[int(s)]]}
+    assert committed                                           # something was packed and committed
+    server = FakeServer(target[0], spool)
+    try:
+        ds = FeatureDataset(run_client(target, samples, tmp_path / "sg", spool, server))
+    finally:
+        server.close()
+    assert not {spool_rid(sid) for sid in committed} & set(server.received)   # not sent again
+    straight = tmp_path / "straight"
+    server = FakeServer(target[0], tmp_path / "spool3")
+    try:
+        run_client(target, samples, straight, tmp_path / "spool3", server)
+    finally:
+        server.close()
+    for rec in ds.manifest["shards"]:                           # byte-identical to a run without a stop
+        assert (tmp_path / "sg" / rec["file"]).read_bytes() == (straight / rec["file"]).read_bytes()
+    assert spool_entries(spool) == []
+
+
+def _plan(samples):
+    from eagle3.features import plan_shards
+    return plan_shards([len(s.input_ids) for s in samples], 60)
+
+
+def test_refused_request_is_reported_and_fails_the_run(target, tmp_path):
+    samples = make_samples(10, seed=3)
+    bad = samples[4].id
+    server = FakeServer(target[0], tmp_path / "spool", refuse={spool_rid(bad)})
+    try:
+        with pytest.raises(RuntimeError, match=r"1 request\(s\) refused") as e:
+            run_client(target, samples, tmp_path / "sg", tmp_path / "spool", server)
+    finally:
+        server.close()
+    assert bad in str(e.value) and "prefill starts at position 5" in str(e.value)
+    assert not (tmp_path / "sg").exists() and (tmp_path / "sg.partial").exists()
+    assert spool_entries(tmp_path / "spool") == []
+    # The rerun resends only the refused sample's uncommitted shard and finishes.
+    server = FakeServer(target[0], tmp_path / "spool")
+    try:
+        ds = FeatureDataset(run_client(target, samples, tmp_path / "sg", tmp_path / "spool", server))
+    finally:
+        server.close()
+    assert spool_rid(bad) in server.received and len(server.received) < len(samples) and len(ds) == 10
+
+
+def test_token_count_mismatch_is_refused_naming_the_rid(target, tmp_path):
+    samples = make_samples(6, seed=4)
+    bad = samples[1].id                                        # "sg#1": a mapped rid
+    server = FakeServer(target[0], tmp_path / "spool", short={spool_rid(bad)})
+    try:
+        with pytest.raises(RuntimeError, match="tokens, the sample has") as e:
+            run_client(target, samples, tmp_path / "sg", tmp_path / "spool", server)
+    finally:
+        server.close()
+    assert spool_rid(bad) in str(e.value) and repr(bad) in str(e.value)
+
+
+FAKE_LAUNCH_SERVER = r'''
+import json, os, sys, threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+import torch
+from capture.sglang_plugin import write_request
+args = sys.argv[1:]
+assert args[:2] == ["-m", "sglang.launch_server"], args
+port = int(args[args.index("--port") + 1])
+H = json.loads((Path(args[args.index("--model-path") + 1]) / "config.json").read_text())["hidden_size"]
+spool, aux = Path(os.environ["EAGLE3_SPOOL_DIR"]), [int(i) for i in os.environ["EAGLE3_AUX_LAYERS"].split(",")]
+Path(os.environ["PIDFILE"]).write_text(json.dumps({"pid": os.getpid(), "args": args}))
+class Handler(BaseHTTPRequestHandler):
+    def log_message(self, *a): pass
+    def _reply(self, obj):
+        raw = json.dumps(obj).encode()
+        self.send_response(200); self.send_header("Content-Length", str(len(raw))); self.end_headers()
+        self.wfile.write(raw)
+    def do_GET(self): self._reply({"version": "0.5.23"})
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        T = len(body["input_ids"])
+        write_request(spool, body["rid"], [torch.full((T, H), float(i)) for i in range(len(aux))],
+                      torch.full((T, H), -1.0), aux, None)
+        self._reply({"text": ""})
+ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
+'''
+
+
+def test_launches_the_server_and_stops_it(target, tmp_path, monkeypatch):
+    """capture.server_url empty: the client starts `<python> -m sglang.launch_server ...` with the
+    plugin's environment, captures through it, and stops it on the way out."""
+    import os
+    import sys
+
+    script = tmp_path / "fake_launch_server.py"
+    script.write_text(FAKE_LAUNCH_SERVER)
+    py = tmp_path / "python"
+    py.write_text(f"#!/bin/sh\nexec {sys.executable} {script} \"$@\"\n")
+    py.chmod(0o755)
+    monkeypatch.setenv("EAGLE3_SGLANG_PYTHON", str(py))
+    monkeypatch.setenv("PIDFILE", str(tmp_path / "pid"))
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[1]))
+    model, info = target
+    samples = make_samples(5, seed=5)
+    cfg = CaptureConfig(backend="sglang", spool_dir=str(tmp_path / "spool"), shard_tokens=60)
+    out = capture_sglang(Path(info.path), info, SimpleNamespace(name_or_path="t", chat_template=""), samples,
+                         AUX, cfg, {"source": "fake"}, tmp_path / "sg", progress=False)
+    ds = FeatureDataset(out)
+    H = info.hidden_size
+    assert len(ds) == 5 and torch.equal(ds[2]["aux"][:, H:2 * H].float(), torch.ones(len(samples[2].input_ids), H))
+    launched = json.loads((tmp_path / "pid").read_text())
+    assert " --return-aux-hidden-state-layer-ids 0 2 3 " in " ".join(launched["args"]) + " "   # Llama: i - 1
+    with pytest.raises(ProcessLookupError):
+        os.kill(launched["pid"], 0)                            # the server is gone
