@@ -57,8 +57,10 @@ def make_samples(n, seed=0):
 class FakeServer:
     """/generate -> spool entry (as the plugin writes it); /server_info -> a version; /health."""
 
-    def __init__(self, model, spool: Path, refuse=(), short=(), misconfigure_after=None, delay=0.01):
+    def __init__(self, model, spool: Path, refuse=(), short=(), misconfigure_after=None, delay=0.01,
+                 misconfigure_gate=None):
         self.model, self.spool, self.delay = model, Path(spool), delay
+        self.misconfigure_gate = misconfigure_gate   # misconfigure only once this returns True
         self.refuse, self.short, self.misconfigure_after = set(refuse), set(short), misconfigure_after
         self.received, self.max_spool, self.lock = [], 0, threading.Lock()
         self.model_lock = threading.Lock()
@@ -95,6 +97,9 @@ class FakeServer:
 
     def write(self, rid, ids, n):
         if self.misconfigure_after is not None and n > self.misconfigure_after:
+            deadline = time.time() + 60          # under load the client may not have packed a shard yet
+            while self.misconfigure_gate is not None and not self.misconfigure_gate() and time.time() < deadline:
+                time.sleep(0.05)
             write_error(self.spool, None, "pass not captured: ValueError('rows without rids')")
             return
         if rid in self.refuse:
@@ -196,7 +201,12 @@ def test_budget_pause_is_honoured(target, tmp_path):
 def test_resume_after_a_mid_run_stop(target, tmp_path):
     samples = make_samples(14, seed=2)
     spool = tmp_path / "spool"
-    server = FakeServer(target[0], spool, misconfigure_after=7)
+    progress_file = tmp_path / "sg.partial" / "progress.json"
+
+    def a_shard_is_committed():
+        return progress_file.exists() and bool(json.loads(progress_file.read_text()).get("done"))
+
+    server = FakeServer(target[0], spool, misconfigure_after=7, misconfigure_gate=a_shard_is_committed)
     try:
         with pytest.raises(RuntimeError, match="misconfigured"):
             run_client(target, samples, tmp_path / "sg", spool, server, concurrency=2)
