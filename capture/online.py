@@ -7,7 +7,7 @@ from typing import Sequence
 
 import torch
 
-from capture.hf import capture_hidden, pad_right
+from capture.hf import capture_batch, pad_right
 from capture.run import load_samples
 from eagle3.config import CaptureConfig, DataConfig, TargetConfig
 from eagle3.features import Batch
@@ -29,11 +29,8 @@ class OnlineSource:
         s = self.samples[i]
         return torch.tensor(s.input_ids), torch.tensor(s.loss_mask)
 
-    @torch.no_grad()
     def batch(self, indices: Sequence[int]) -> Batch:
         picked = [self.samples[i] for i in indices]
         input_ids, att = pad_right([s.input_ids for s in picked], self.device)
-        aux, final = capture_hidden(self.model, input_ids, att, self.aux_layers)
         loss_mask, _ = pad_right([s.loss_mask for s in picked], self.device)
-        return Batch(input_ids=input_ids, loss_mask=loss_mask.float(), attention_mask=att.bool(), aux=aux, final=final,
-                     sample_ids=[s.id for s in picked])
+        return capture_batch(self.model, input_ids, att, loss_mask, self.aux_layers, [s.id for s in picked])

@@ -1,0 +1,514 @@
+"""The feature dataset: the one contract between capture and training (DESIGN.md "Feature dataset").
+
+A dataset is a directory of safetensors shards plus manifest.json. A shard holds many samples
+concatenated along tokens:
+
+    offsets   [S+1] int64   sample s is rows offsets[s]:offsets[s+1]
+    input_ids [N]   int32
+    aux       [N, k*H]      the k aux states (residual stream entering layer i), in aux_layers order
+    final     [N, H]        what the LM head consumes: target logits = final @ lm_head.weight.T
+    loss_mask [N]   uint8   1 on assistant tokens
+
+Tensors sit in that order in the file, so every one starts aligned to its element size and can be
+viewed straight out of the memory map. The writer fixes every shard's layout up front from the
+ordered sample list (plan_shards), writes each sample at its place, and commits a shard by renaming
+it; so shards do not depend on the order samples arrive in, and a killed capture that resumes ends
+byte-identical to one that never stopped.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
+import torch
+
+FORMAT = "eagle3-features"
+FORMAT_VERSION = 1
+AUX_MEANING = ("residual stream entering decoder layer i = transformers output_hidden_states[i] "
+               "(hidden_states + residual in engines that keep the residual separate)")
+PROGRESS = "progress.json"
+MANIFEST = "manifest.json"
+
+# storage dtype name -> (torch dtype, safetensors dtype, numpy dtype the bytes are viewed as)
+_FLOAT = {
+    "bfloat16": (torch.bfloat16, "BF16", np.int16),
+    "float16": (torch.float16, "F16", np.float16),
+    "float32": (torch.float32, "F32", np.float32),
+}
+_NP = {"BF16": np.int16, "F16": np.float16, "F32": np.float32,
+       "I64": np.int64, "I32": np.int32, "U8": np.uint8}
+_FIXED = {"offsets": "I64", "input_ids": "I32", "loss_mask": "U8"}
+_ORDER = ("offsets", "input_ids", "aux", "final", "loss_mask")   # descending alignment
+
+
+class FeatureDatasetError(Exception):
+    """A feature dataset on disk is missing, truncated, malformed or not the one expected."""
+
+
+# ----------------------------------------------------------------------------- planning / meta
+
+def plan_shards(lengths: Sequence[int], shard_tokens: int) -> List[List[int]]:
+    """Cut the ordered samples into consecutive shards of at most shard_tokens tokens.
+
+    Greedy in order, so the cut depends only on the lengths: a rerun plans the same shards. A
+    sample longer than shard_tokens gets a shard of its own.
+    """
+    shards: List[List[int]] = []
+    cur: List[int] = []
+    used = 0
+    for i, n in enumerate(lengths):
+        if cur and used + n > shard_tokens:
+            shards.append(cur)
+            cur, used = [], 0
+        cur.append(i)
+        used += int(n)
+    if cur:
+        shards.append(cur)
+    return shards
+
+
+def make_meta(*, target_name: str, target_fingerprint: str, arch: str, aux_layers: Sequence[int],
+              hidden_size: int, tokenizer_name: str, chat_template: Optional[str], engine: str,
+              engine_version: str, data: Dict[str, Any]) -> Dict[str, Any]:
+    """What a capture records about where its features came from (the writer adds the rest)."""
+    template_hash = hashlib.sha256((chat_template or "").encode()).hexdigest()
+    return {
+        "target": {"name": target_name, "fingerprint": target_fingerprint, "arch": arch},
+        "aux_layers": [int(i) for i in aux_layers],
+        "aux_meaning": AUX_MEANING,
+        "hidden_size": int(hidden_size),
+        "num_aux": len(aux_layers),
+        "tokenizer": {"name": tokenizer_name, "chat_template_sha256": template_hash},
+        "engine": {"name": engine, "version": engine_version},
+        "data": dict(data),
+    }
+
+
+def storage_dtype(name: str) -> torch.dtype:
+    """The torch dtype features are stored in ("bfloat16" | "float16" | "float32")."""
+    if name not in _FLOAT:
+        raise ValueError(f"dtype {name!r}: expected one of {sorted(_FLOAT)}")
+    return _FLOAT[name][0]
+
+
+def _flatten(d: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
+    out: Dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def _normal(d: Dict[str, Any]) -> Dict[str, Any]:
+    """Tuples -> lists etc., so a value compares equal to itself after a JSON round trip."""
+    return json.loads(json.dumps(d))
+
+
+def _diffs(have: Dict[str, Any], want: Dict[str, Any]) -> List[tuple]:
+    """(dotted key, have value, want value) for every leaf of `want` that `have` disagrees with."""
+    h = _flatten(_normal(have))
+    return [(k, h.get(k, "<missing>"), v) for k, v in _flatten(_normal(want)).items()
+            if h.get(k, "<missing>") != v]
+
+
+def check_compatible(manifest: Dict[str, Any], expected: Dict[str, Any], where: str = "") -> None:
+    """Raise FeatureDatasetError naming every (nested) key of `expected` the manifest disagrees with.
+
+    expected e.g. {"target": {"name": "smollm2"}, "aux_layers": [2, 15, 27], "hidden_size": 576}.
+    """
+    bad = [f"{k} is {h!r}, expected {w!r}" for k, h, w in _diffs(manifest, expected)]
+    if bad:
+        raise FeatureDatasetError(f"feature dataset {where or ''} does not match: " + "; ".join(bad))
+
+
+# ----------------------------------------------------------------------------- shard layout
+
+def _layout(num_samples: int, num_tokens: int, num_aux: int, hidden: int, float_st: str):
+    """Header dict and total byte-buffer size of a shard with these sizes (deterministic)."""
+    shapes = {"offsets": [num_samples + 1], "input_ids": [num_tokens],
+              "aux": [num_tokens, num_aux * hidden], "final": [num_tokens, hidden],
+              "loss_mask": [num_tokens]}
+    header: Dict[str, Any] = {"__metadata__": {"format": FORMAT, "format_version": str(FORMAT_VERSION)}}
+    pos = 0
+    for name in _ORDER:
+        st = _FIXED.get(name, float_st)
+        nbytes = int(np.prod(shapes[name])) * np.dtype(_NP[st]).itemsize
+        header[name] = {"dtype": st, "shape": shapes[name], "data_offsets": [pos, pos + nbytes]}
+        pos += nbytes
+    return header, pos
+
+
+def _header_bytes(header: Dict[str, Any]) -> bytes:
+    raw = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    raw += b" " * (-(8 + len(raw)) % 8)        # data starts 8-aligned, as safetensors pads it
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _read_header(path: Path, size: int):
+    """(header dict, data start) of a shard; FeatureDatasetError naming the file on any problem."""
+    if size < 8:
+        raise FeatureDatasetError(f"{path.name}: truncated: {size} bytes, no header")
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        if 8 + n > size:
+            raise FeatureDatasetError(f"{path.name}: truncated: {size} bytes, header length says {8 + n}")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise FeatureDatasetError(f"{path.name}: header does not parse: {e}") from None
+    return header, 8 + n
+
+
+def _write_all(fd: int, data: np.ndarray, offset: int) -> None:
+    buf = memoryview(np.ascontiguousarray(data)).cast("B")
+    while len(buf):                                  # pwrite may write less than asked (>2 GiB)
+        n = os.pwrite(fd, buf, offset)
+        buf, offset = buf[n:], offset + n
+
+
+def _np_bytes(t: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
+    t = t.detach().to("cpu", dtype).contiguous()
+    return t.view(torch.int16).numpy() if dtype == torch.bfloat16 else t.numpy()
+
+
+def _atomic_json(path: Path, obj: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:05d}.safetensors"
+
+
+# ----------------------------------------------------------------------------- writer
+
+class _OpenShard:
+    """A shard being filled: a preallocated temp file written at fixed positions."""
+
+    def __init__(self, path: Path, lengths: List[int], num_aux: int, hidden: int, float_st: str):
+        self.path, self.tmp = path, path.with_name(path.name + ".tmp")
+        starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)   # [S+1]
+        self.starts, self.pending, self.loss_tokens = starts, set(range(len(lengths))), 0
+        header, size = _layout(len(lengths), int(starts[-1]), num_aux, hidden, float_st)
+        head = _header_bytes(header)
+        self.base, self.size = len(head), len(head) + size
+        self.off = {k: v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}
+        self.fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.ftruncate(self.fd, self.size)
+        os.pwrite(self.fd, head, 0)
+        _write_all(self.fd, starts, self.base + self.off["offsets"])
+
+    def write(self, j: int, parts: Dict[str, np.ndarray]) -> None:
+        row = int(self.starts[j])
+        for name, arr in parts.items():
+            row_bytes = arr.nbytes // arr.shape[0]
+            _write_all(self.fd, arr, self.base + self.off[name] + row * row_bytes)
+        self.pending.discard(j)
+        self.loss_tokens += int(parts["loss_mask"].sum())
+
+    def commit(self) -> int:
+        os.fsync(self.fd)
+        os.close(self.fd)
+        os.replace(self.tmp, self.path)
+        return self.size
+
+
+class FeatureWriter:
+    """Writes a feature dataset at `path`, resumably and atomically.
+
+    Work happens in `<path>.partial/`; a shard is written to a `.tmp` name and renamed when its
+    last sample arrives; progress.json lists committed shards. Samples may arrive in any order
+    (a batch sorted by length, SGLang requests finishing out of order). finish() writes
+    manifest.json and renames the directory to `path`.
+
+    sample_ids/lengths: every sample of the dataset, in dataset order (they fix the shard plan).
+    meta: from make_meta (target, aux_layers, hidden_size, num_aux, tokenizer, engine, data).
+    """
+
+    def __init__(self, path, meta: Dict[str, Any], sample_ids: Sequence[str], lengths: Sequence[int],
+                 dtype: str = "bfloat16", shard_tokens: int = 262144):
+        self.path = Path(path)
+        self.partial = self.path.with_name(self.path.name + ".partial")
+        if self.path.exists():
+            raise FileExistsError(f"{self.path} already exists (a finished feature dataset)")
+        if dtype not in _FLOAT:
+            raise ValueError(f"dtype {dtype!r}: expected one of {sorted(_FLOAT)}")
+        if len(set(sample_ids)) != len(sample_ids):
+            raise ValueError("sample ids are not unique")
+        self.meta = _normal(meta)
+        self.num_aux, self.hidden = int(meta["num_aux"]), int(meta["hidden_size"])
+        self.dtype, self.torch_dtype = dtype, _FLOAT[dtype][0]
+        self.ids, self.lengths = [str(s) for s in sample_ids], [int(n) for n in lengths]
+        self.plan = plan_shards(self.lengths, shard_tokens)
+        self.where = {self.ids[i]: (s, j) for s, idx in enumerate(self.plan) for j, i in enumerate(idx)}
+        plan_hash = hashlib.sha256(json.dumps([self.ids, self.lengths]).encode()).hexdigest()
+        self.run = {"meta": self.meta, "dtype": dtype, "shard_tokens": int(shard_tokens),
+                    "plan_sha256": plan_hash, "format_version": FORMAT_VERSION}
+        self.done: Dict[int, Dict[str, int]] = {}
+        self.open: Dict[int, _OpenShard] = {}
+        self._resume()
+
+    def _resume(self) -> None:
+        """Keep the committed shards of an earlier run with the same settings; drop everything else."""
+        progress = self.partial / PROGRESS
+        if progress.exists():
+            old = json.loads(progress.read_text())
+            diffs = [f"{k}: earlier run {h!r}, this run {w!r}" for k, h, w in _diffs(old["run"], self.run)]
+            diffs += [f"{k}: earlier run {h!r}, this run <missing>" for k, _, h in _diffs(self.run, old["run"])
+                      if k not in _flatten(self.run)]
+            if diffs:
+                raise FeatureDatasetError(f"cannot resume {self.partial}: " + "; ".join(diffs)
+                                          + f". Delete {self.partial} to start over.")
+            for s, rec in old["done"].items():
+                f = self.partial / shard_name(int(s))
+                if f.exists() and f.stat().st_size == rec["num_bytes"]:
+                    self.done[int(s)] = rec
+        self.partial.mkdir(parents=True, exist_ok=True)
+        keep = {shard_name(s) for s in self.done}
+        for f in self.partial.iterdir():              # temp files, uncommitted shards, old manifest
+            if f.name not in keep and f.name != PROGRESS:
+                f.unlink() if f.is_file() else shutil.rmtree(f)
+        self._save_progress()
+
+    def _save_progress(self) -> None:
+        _atomic_json(self.partial / PROGRESS,
+                     {"run": self.run, "done": {str(s): r for s, r in sorted(self.done.items())}})
+
+    def done_ids(self) -> set:
+        return {self.ids[i] for s in self.done for i in self.plan[s]}
+
+    def pending_shards(self) -> List[List[int]]:
+        """The plan's shards (lists of sample positions) not yet committed, in order."""
+        return [idx for s, idx in enumerate(self.plan) if s not in self.done]
+
+    def add(self, sample_id: str, input_ids, loss_mask, aux: torch.Tensor, final: torch.Tensor) -> None:
+        """input_ids [T], loss_mask [T], aux [T, k*H], final [T, H] (any float dtype or device)."""
+        s, j = self.where[str(sample_id)]
+        if s in self.done:
+            raise ValueError(f"sample {sample_id!r} is in shard {s}, which is already committed")
+        n = self.lengths[self.plan[s][j]]
+        want = {"input_ids": (n,), "loss_mask": (n,), "aux": (n, self.num_aux * self.hidden),
+                "final": (n, self.hidden)}
+        parts = {"input_ids": torch.as_tensor(input_ids), "loss_mask": torch.as_tensor(loss_mask),
+                 "aux": aux, "final": final}
+        for name, shape in want.items():
+            if tuple(parts[name].shape) != shape:
+                raise ValueError(f"sample {sample_id!r}: {name} has shape {tuple(parts[name].shape)}, "
+                                 f"expected {shape}")
+        if s not in self.open:
+            lengths = [self.lengths[i] for i in self.plan[s]]
+            self.open[s] = _OpenShard(self.partial / shard_name(s), lengths, self.num_aux, self.hidden,
+                                      _FLOAT[self.dtype][1])
+        shard = self.open[s]
+        shard.write(j, {"input_ids": _np_bytes(parts["input_ids"], torch.int32),
+                        "loss_mask": _np_bytes(parts["loss_mask"], torch.uint8),
+                        "aux": _np_bytes(aux, self.torch_dtype), "final": _np_bytes(final, self.torch_dtype)})
+        if not shard.pending:
+            nbytes = shard.commit()
+            del self.open[s]
+            self.done[s] = {"num_bytes": nbytes, "num_loss_tokens": shard.loss_tokens}
+            self._save_progress()
+
+    def finish(self) -> Path:
+        """Write manifest.json and move `<path>.partial` to `path`; every sample must have been added."""
+        missing = len(self.plan) - len(self.done)
+        if missing:
+            raise FeatureDatasetError(f"{self.partial}: {missing} of {len(self.plan)} shards are not complete")
+        shards = []
+        for s, idx in enumerate(self.plan):
+            shards.append({"file": shard_name(s), "num_samples": len(idx),
+                           "num_tokens": sum(self.lengths[i] for i in idx),
+                           "num_bytes": self.done[s]["num_bytes"],
+                           "num_loss_tokens": self.done[s]["num_loss_tokens"],
+                           "sample_ids": [self.ids[i] for i in idx]})
+        tokens = sum(sh["num_tokens"] for sh in shards)
+        nbytes = sum(sh["num_bytes"] for sh in shards)
+        manifest = dict(self.meta)
+        manifest.update({
+            "format": FORMAT, "format_version": FORMAT_VERSION, "shard_tokens": self.run["shard_tokens"],
+            "dtypes": {"aux": self.dtype, "final": self.dtype, "input_ids": "int32",
+                       "loss_mask": "uint8", "offsets": "int64"},
+            "shards": shards,
+            "totals": {"num_shards": len(shards), "num_samples": len(self.ids), "num_tokens": tokens,
+                       "num_loss_tokens": sum(sh["num_loss_tokens"] for sh in shards),
+                       "num_bytes": nbytes, "bytes_per_token": round(nbytes / max(tokens, 1), 3)},
+        })
+        _atomic_json(self.partial / MANIFEST, manifest)
+        (self.partial / PROGRESS).unlink()
+        os.rename(self.partial, self.path)
+        fd = os.open(self.path.parent, os.O_RDONLY)   # make the rename durable
+        os.fsync(fd)
+        os.close(fd)
+        return self.path
+
+
+# ----------------------------------------------------------------------------- reader
+
+def _check_shard(path: Path, rec: Dict[str, Any], manifest: Dict[str, Any]):
+    """Header checks of one shard against the manifest. Returns (header, data start)."""
+    size = path.stat().st_size
+    header, start = _read_header(path, size)
+    want, body = _layout(rec["num_samples"], rec["num_tokens"], manifest["num_aux"],
+                         manifest["hidden_size"], _FLOAT[manifest["dtypes"]["aux"]][1])
+    for name in _ORDER:
+        got = header.get(name)
+        if got is None:
+            raise FeatureDatasetError(f"{path.name}: tensor {name!r} missing")
+        for key in ("dtype", "shape"):
+            if got.get(key) != want[name][key]:
+                raise FeatureDatasetError(f"{path.name}: {name} {key} is {got.get(key)}, "
+                                          f"manifest says {want[name][key]}")
+        if got.get("data_offsets") != want[name]["data_offsets"]:
+            raise FeatureDatasetError(f"{path.name}: {name} data_offsets {got.get('data_offsets')} "
+                                      f"are not contiguous (expected {want[name]['data_offsets']})")
+    if size != start + body:
+        raise FeatureDatasetError(f"{path.name}: truncated: {size} bytes, header says {start + body}"
+                                  if size < start + body else
+                                  f"{path.name}: {size} bytes, header says {start + body}")
+    if size != rec["num_bytes"]:
+        raise FeatureDatasetError(f"{path.name}: {size} bytes, manifest says {rec['num_bytes']}")
+    return header, start
+
+
+class FeatureDataset:
+    """Read side: ds[i] -> {input_ids [T] int64, loss_mask [T] uint8, aux [T, k*H], final [T, H]}.
+
+    Shards are memory-mapped (copy-on-write, so tensors are writable without touching the file)
+    when first used; aux/final/loss_mask are views into the mapping, not copies. Only input_ids is
+    widened to int64 (a copy of T ints).
+    """
+
+    def __init__(self, path, expected: Optional[Dict[str, Any]] = None):
+        self.path = Path(path)
+        mf = self.path / MANIFEST
+        if not mf.exists():
+            hint = " (an unfinished capture: rerun it to resume)" if self.path.with_name(
+                self.path.name + ".partial").exists() else ""
+            raise FeatureDatasetError(f"{self.path}: no {MANIFEST}{hint}")
+        self.manifest = json.loads(mf.read_text())
+        if self.manifest.get("format_version") != FORMAT_VERSION:
+            raise FeatureDatasetError(f"{mf}: format_version {self.manifest.get('format_version')}, "
+                                      f"this code reads {FORMAT_VERSION}")
+        if expected:
+            check_compatible(self.manifest, expected, where=str(self.path))
+        shards = self.manifest["shards"]
+        for rec in shards:                            # cheap: a stat per shard, so nothing maps past EOF
+            f = self.path / rec["file"]
+            if not f.exists():
+                raise FeatureDatasetError(f"{rec['file']}: missing from {self.path}")
+            if f.stat().st_size != rec["num_bytes"]:
+                raise FeatureDatasetError(f"{rec['file']}: truncated: {f.stat().st_size} bytes, "
+                                          f"manifest says {rec['num_bytes']}")
+        self._shard = np.repeat(np.arange(len(shards)), [r["num_samples"] for r in shards])
+        self._local = np.concatenate([np.arange(r["num_samples"]) for r in shards]) if shards else \
+            np.zeros(0, dtype=np.int64)
+        self._ids = [sid for r in shards for sid in r["sample_ids"]]
+        self._maps: Dict[int, Dict[str, torch.Tensor]] = {}
+
+    def __getstate__(self):                           # DataLoader workers re-map on their own
+        state = dict(self.__dict__)
+        state["_maps"] = {}
+        return state
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def sample_id(self, i: int) -> str:
+        return self._ids[i]
+
+    def _tensors(self, s: int) -> Dict[str, torch.Tensor]:
+        if s not in self._maps:
+            rec = self.manifest["shards"][s]
+            path = self.path / rec["file"]
+            header, start = _check_shard(path, rec, self.manifest)
+            mm = np.memmap(path, dtype=np.uint8, mode="c")
+            out = {}
+            for name in _ORDER:
+                h = header[name]
+                a, b = h["data_offsets"]
+                arr = mm[start + a:start + b].view(_NP[h["dtype"]]).reshape(h["shape"])
+                t = torch.from_numpy(arr)
+                out[name] = t.view(torch.bfloat16) if h["dtype"] == "BF16" else t   # numpy has no bf16
+            self._maps[s] = out
+        return self._maps[s]
+
+    def __getitem__(self, i: int) -> Dict[str, torch.Tensor]:
+        t = self._tensors(int(self._shard[i]))
+        j = int(self._local[i])
+        a, b = int(t["offsets"][j]), int(t["offsets"][j + 1])
+        return {"input_ids": t["input_ids"][a:b].long(), "loss_mask": t["loss_mask"][a:b],
+                "aux": t["aux"][a:b], "final": t["final"][a:b]}
+
+    def validate(self) -> None:
+        """Check every shard fully against the manifest; FeatureDatasetError names the bad shard."""
+        for s, rec in enumerate(self.manifest["shards"]):
+            path = self.path / rec["file"]
+            if not path.exists():
+                raise FeatureDatasetError(f"{rec['file']}: missing from {self.path}")
+            _check_shard(path, rec, self.manifest)
+            t = self._tensors(s)
+            off = t["offsets"]
+            if int(off[0]) != 0 or int(off[-1]) != rec["num_tokens"] or bool((off[1:] < off[:-1]).any()):
+                raise FeatureDatasetError(f"{rec['file']}: offsets are not monotone from 0 to "
+                                          f"{rec['num_tokens']}")
+            if t["loss_mask"].numel() and int(t["loss_mask"].max()) > 1:
+                raise FeatureDatasetError(f"{rec['file']}: loss_mask holds values other than 0/1")
+            if int(t["loss_mask"].sum()) != rec["num_loss_tokens"]:
+                raise FeatureDatasetError(f"{rec['file']}: {int(t['loss_mask'].sum())} loss tokens, "
+                                          f"manifest says {rec['num_loss_tokens']}")
+
+
+# ----------------------------------------------------------------------------- batches
+
+@dataclass
+class Batch:
+    """What the drafter and loss see, whether features came from disk or an in-process target.
+
+    input_ids [B,T] int64, loss_mask [B,T] float32, attention_mask [B,T] bool (True on real
+    tokens; right padding), aux [B,T,k*H], final [B,T,H].
+    """
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    attention_mask: torch.Tensor
+    aux: torch.Tensor
+    final: torch.Tensor
+    sample_ids: List[str]
+
+    def to(self, device, dtype: Optional[torch.dtype] = None) -> "Batch":
+        """Move to device; aux/final also to dtype (the masks keep theirs)."""
+        return Batch(self.input_ids.to(device), self.loss_mask.to(device), self.attention_mask.to(device),
+                     self.aux.to(device, dtype), self.final.to(device, dtype), list(self.sample_ids))
+
+
+def collate(items: List[Dict[str, torch.Tensor]], sample_ids: Sequence[str]) -> Batch:
+    """Right-pad ds[i] dicts with zeros into a Batch (aux/final keep their stored dtype)."""
+    B, T = len(items), max(len(it["input_ids"]) for it in items)
+    kH, H = items[0]["aux"].shape[-1], items[0]["final"].shape[-1]
+    fdt = items[0]["aux"].dtype
+    ids = torch.zeros(B, T, dtype=torch.long)
+    loss = torch.zeros(B, T, dtype=torch.float32)
+    att = torch.zeros(B, T, dtype=torch.bool)
+    aux = torch.zeros(B, T, kH, dtype=fdt)
+    final = torch.zeros(B, T, H, dtype=fdt)
+    for b, it in enumerate(items):
+        n = len(it["input_ids"])
+        ids[b, :n] = it["input_ids"]
+        loss[b, :n] = it["loss_mask"]
+        att[b, :n] = True
+        aux[b, :n] = it["aux"]
+        final[b, :n] = it["final"]
+    return Batch(ids, loss, att, aux, final, list(sample_ids))
