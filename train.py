@@ -123,8 +123,9 @@ def main(cfg) -> None:
     else:
         from capture.online import OnlineSource   # the target runs here; nothing touches disk
         src = OnlineSource(target_dir, c.target, c.data, c.capture, aux_layers, device, compute_dtype)
-        train_idx, held_idx = list(range(len(src.train))), list(range(len(src.heldout)))
-        tokens_of = lambda i: src.tokens(src.train[i])  # noqa: E731
+        train_idx = list(range(len(src.train)))
+        held_idx = list(range(len(src.train), len(src.samples)))
+        tokens_of = src.tokens
         make_batch = src.batch
         data_desc = f"online target {target_dir} ({len(train_idx)} train / {len(held_idx)} held-out)"
     if len(train_idx) < c.train.batch_size:
