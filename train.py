@@ -25,7 +25,7 @@ from eagle3 import checkpoint, config as config_schema
 from eagle3.engine_ids import check_aux_layers
 from eagle3.export import export_drafter
 from eagle3.features import FeatureDataset, check_compatible, collate
-from eagle3.loss import ttt_loss
+from eagle3.loss import ttt_loss, unigram_correct
 from eagle3.model import Eagle3Drafter, drafter_shape
 from eagle3.plots import plot_runs
 from capture.run import capture_features, template_sha256
@@ -186,7 +186,7 @@ def main(cfg) -> None:
             return model(b.input_ids, b.loss_mask, b.attention_mask, b.aux, b.final, lm_head)
 
     # ---- the loop ----
-    t0, tokens_seen = time.time(), 0
+    t0, tokens_seen, unigram = time.time(), 0, None
     for step in range(start, total):
         lr = lr_at(step, total, c.optim.lr, c.optim.warmup_fraction, c.optim.min_lr_fraction)
         for g in optimizer.param_groups:
@@ -221,7 +221,17 @@ def main(cfg) -> None:
             with torch.no_grad():
                 for k in range(0, len(held), micro):
                     hs.add(run_loss(make_batch(held[k:k + micro])))
-            log.write({"step": step, "split": "heldout", **hs.reduce(acc)})
+            row = hs.reduce(acc)
+            if unigram is None:      # once: the always-draft-the-most-frequent-token baseline
+                sums = torch.tensor([0.0, 0.0])
+                with torch.no_grad():
+                    for k in range(0, len(held), micro):
+                        b = make_batch(held[k:k + micro]).to(device, compute_dtype)
+                        sums += torch.tensor(unigram_correct(b.loss_mask, b.attention_mask, b.final, lm_head,
+                                                             vocab, int(vocab.counts.argmax())), dtype=torch.float)
+                sums = acc.reduce(sums.to(device), reduction="sum").cpu()
+                unigram = float(sums[0] / sums[1].clamp(min=1))
+            log.write({"step": step, "split": "heldout", **row, "unigram_acc": unigram})
         if (step + 1) % c.train.save_every == 0 and step + 1 < total:
             checkpoint.save(acc, run_dir, step + 1, vocab_path)
 

@@ -140,3 +140,14 @@ def ttt_loss(drafter: Eagle3Drafter, input_ids: torch.Tensor, loss_mask: torch.T
             correct[s] = hit.sum()
             count[s] = num
     return TTTOutput(loss=total, per_step_loss=step_loss, correct=correct, count=count)
+
+
+@torch.no_grad()
+def unigram_correct(loss_mask: torch.Tensor, attention_mask: torch.Tensor, final: torch.Tensor,
+                    target_lm_head: torch.Tensor, vocab: DraftVocab, token: int) -> Tuple[int, int]:
+    """(correct, count) of the baseline that always drafts `token` (the most frequent assistant token),
+    over the rows TTT step 0 counts: what a drafter must beat to have learned anything."""
+    T = final.shape[1]
+    _, top = target_teacher(final, target_lm_head, vocab.draft_ids.to(final.device))
+    counted = (loss_mask.bool() & attention_mask.bool())[:, 2:] & vocab.t2d.to(final.device)[top][:, 1:T - 1]
+    return int((top[:, 1:T - 1][counted] == token).sum()), int(counted.sum())

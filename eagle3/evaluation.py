@@ -1,0 +1,437 @@
+"""Evaluation pieces every backend shares: prompt sets, the drafter/target fit check, the
+engines' acceptance counters turned into one record, report.json, report.md and the plots.
+
+The decode loops themselves live in eagle3/specdec.py (`hf`) and evaluate.py (`vllm`, `sglang`);
+they all hand back `DecodeStats` per prompt, so tau is summed the same way whatever ran it.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+BUILTIN_PROMPT_SETS = ("mt_bench", "mt_bench_2turn", "sharegpt_heldout")
+
+
+# ----------------------------------------------------------------------------------------------
+# Prompt sets
+
+@dataclass
+class Prompt:
+    id: str
+    messages: List[dict]                                  # the conversation up to its first user turn
+    followups: List[str] = field(default_factory=list)    # later user turns, each sent after the model's own answer
+
+
+def mt_bench_file() -> Path:
+    """../shared/data/mt_bench_questions.jsonl next to the repository; EAGLE3_MT_BENCH overrides."""
+    return Path(os.environ.get("EAGLE3_MT_BENCH",
+                               PROJECT_ROOT.parent / "shared" / "data" / "mt_bench_questions.jsonl"))
+
+
+def prompt_set_name(spec: str) -> str:
+    return spec if spec in BUILTIN_PROMPT_SETS else Path(spec).stem
+
+
+def load_prompts(spec: str, num_prompts: int, data_source: str = "sharegpt", data_path: str = "",
+                 heldout_fraction: float = 0.02) -> List[Prompt]:
+    """The first `num_prompts` prompts (0 = all) of a prompt set.
+
+    spec: mt_bench (first turns) | mt_bench_2turn (both turns) | sharegpt_heldout (first user turns
+    of conversations in the held-out split of `data_source`, which training never sees, whatever its
+    num_samples) | a .jsonl path: MT-Bench records ({"turns": [...]}) or conversations (messages or
+    ShareGPT shape, read by eagle3.data), the latter cut after the first user turn.
+    """
+    if spec in ("mt_bench", "mt_bench_2turn"):
+        return _mt_bench(mt_bench_file(), num_prompts, two_turns=spec == "mt_bench_2turn")
+    if spec == "sharegpt_heldout":
+        return _conversations(data_source, data_path, num_prompts, heldout_fraction)
+    path = Path(spec)
+    if not path.exists():
+        raise FileNotFoundError(f"prompt set {spec!r}: expected one of {', '.join(BUILTIN_PROMPT_SETS)} "
+                                "or an existing .jsonl file")
+    with path.open() as f:
+        first = next((json.loads(line) for line in f if line.strip()), {})
+    if "turns" in first:
+        return _mt_bench(path, num_prompts, two_turns=True)
+    return _conversations("jsonl", str(path), num_prompts, None)
+
+
+def _mt_bench(path: Path, num_prompts: int, two_turns: bool) -> List[Prompt]:
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found (MT-Bench questions; set EAGLE3_MT_BENCH to its path)")
+    prompts = []
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        rec = json.loads(line)
+        turns = rec["turns"]
+        pid = str(rec.get("question_id", len(prompts)))
+        prompts.append(Prompt(pid, [{"role": "user", "content": turns[0]}],
+                              list(turns[1:]) if two_turns else []))
+        if num_prompts and len(prompts) == num_prompts:
+            break
+    return prompts
+
+
+def _conversations(source: str, path: str, num_prompts: int,
+                   heldout_fraction: Optional[float]) -> List[Prompt]:
+    """First user turn (with any system message before it) of each conversation."""
+    from eagle3 import data
+    prompts = []
+    for cid, messages in data.iter_conversations(source, path):
+        if heldout_fraction is not None and not data.is_heldout(cid, heldout_fraction):
+            continue
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            continue                                   # a bad record (eagle3.data counts those)
+        first_user = next((i for i, m in enumerate(messages) if m.get("role") == "user"), None)
+        if first_user is None or not isinstance(messages[first_user].get("content"), str) \
+                or not messages[first_user]["content"].strip():
+            continue
+        prompts.append(Prompt(str(cid), [dict(m) for m in messages[:first_user + 1]]))
+        if num_prompts and len(prompts) == num_prompts:
+            break
+    if not prompts:
+        raise ValueError(f"no usable prompts in {source} {path or ''} (held-out split: {heldout_fraction})")
+    return prompts
+
+
+def render(tokenizer, messages: Sequence[dict]) -> List[int]:
+    """Token ids of the conversation with the assistant header appended (the chat template's own
+    text; special tokens are already in it, so none are added again)."""
+    text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+_END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "<|end|>", "</s>",
+                "<|eom_id|>", "[EOS]")
+
+
+def stop_token_ids(tokenizer, model_dir: Optional[Path] = None) -> List[int]:
+    """Where a reply ends: the template's end-of-turn tokens that exist as single tokens, the
+    tokenizer's eos and generation_config's eos ids. (SmolLM2's GGUF tokenizer says eos is
+    <|im_start|> = 1; turns really end with <|im_end|> = 2: both are in the set.)"""
+    ids = set()
+    vocab = tokenizer.get_vocab()
+    for tok in _END_OF_TURN:
+        if tok in vocab:
+            ids.add(int(vocab[tok]))
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gen = Path(model_dir) / "generation_config.json" if model_dir else None
+    if gen is not None and gen.exists():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids.update(int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None)
+    return sorted(ids)
+
+
+# ----------------------------------------------------------------------------------------------
+# Does a drafter fit the target? Checked before any engine starts.
+
+class DrafterMismatch(ValueError):
+    pass
+
+
+def check_drafter_fits(export_config: dict, target_info, tensors: Optional[Dict] = None,
+                       engine: str = "vllm", where: str = "drafter") -> List[int]:
+    """Refuse a drafter that cannot work with the target, naming every mismatch.
+
+    export_config: the export's config.json; target_info: eagle3.targets.TargetInfo (hidden_size,
+    vocab_size, num_layers, model_type); tensors: the export's safetensors (shapes of fc, d2t, t2d).
+    Returns the aux layers in this project's meaning (entering layer i).
+    """
+    from eagle3.engine_ids import engine_aux_ids
+    errors = []
+    V, Ht, L = int(target_info.vocab_size), int(target_info.hidden_size), int(target_info.num_layers)
+    if int(export_config.get("vocab_size", V)) != V:
+        errors.append(f"vocab_size {export_config.get('vocab_size')} != target vocab {V}")
+    if int(export_config.get("target_hidden_size", -1)) != Ht:
+        errors.append(f"target_hidden_size {export_config.get('target_hidden_size')} != target hidden size {Ht}")
+    # The drafter embeds tokens with the target's own embedding table, so its width must match too.
+    if int(export_config.get("hidden_size", -1)) != Ht:
+        errors.append(f"hidden_size {export_config.get('hidden_size')} != target hidden size {Ht} "
+                      "(the drafter shares the target's embedding)")
+    ids = list((export_config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+               or export_config.get("eagle_aux_hidden_state_layer_ids") or [])
+    record = (export_config.get("eagle3") or {}).get("aux_layers")
+    aux = [int(i) for i in (record if record else ids)]
+    if not ids:
+        errors.append("eagle_config.eagle_aux_hidden_state_layer_ids is missing")
+    if aux and not all(1 <= i < L for i in aux):
+        errors.append(f"aux layers {aux} out of range for a {L}-layer target (valid: 1..{L - 1})")
+    if record and ids:
+        try:
+            want = engine_aux_ids(record, engine, str(target_info.model_type))
+        except ValueError as e:
+            want = str(e)
+        if want != [int(i) for i in ids]:
+            errors.append(f"eagle_aux_hidden_state_layer_ids {ids} are not the {engine} ids of aux layers "
+                          f"{list(record)} for a {target_info.model_type} target (expected {want}): "
+                          f"an export for another engine?")
+    if tensors is not None:
+        errors += _check_tensors(export_config, tensors, V, Ht, len(aux))
+    if errors:
+        raise DrafterMismatch(f"{where} does not fit target {getattr(target_info, 'name', '')!s}:\n  - "
+                              + "\n  - ".join(errors))
+    return aux
+
+
+def _check_tensors(cfg: dict, tensors: Dict, V: int, Ht: int, k: int) -> List[str]:
+    errors = []
+    fc = tensors.get("fc.weight")
+    if fc is None:
+        errors.append("fc.weight is missing")
+    elif fc.shape[1] != k * Ht:
+        errors.append(f"fc.weight takes {fc.shape[1]} inputs but {k} aux layers x hidden {Ht} = {k * Ht}"
+                      + (f" (that is {fc.shape[1] / Ht:g} aux layers)" if fc.shape[1] % Ht == 0 else ""))
+    d2t, t2d = tensors.get("d2t"), tensors.get("t2d")
+    Vd = int(cfg.get("draft_vocab_size", -1))
+    if d2t is None or t2d is None:
+        errors.append("d2t / t2d (draft vocab map) missing")
+        return errors
+    if t2d.numel() != V:
+        errors.append(f"t2d has {t2d.numel()} entries, target vocab is {V}")
+    if d2t.numel() != Vd:
+        errors.append(f"d2t has {d2t.numel()} entries, draft_vocab_size is {Vd}")
+    lm = tensors.get("lm_head.weight")
+    if lm is not None and lm.shape[0] != d2t.numel():
+        errors.append(f"lm_head.weight has {lm.shape[0]} rows, d2t has {d2t.numel()}")
+    import torch
+    target_ids = d2t.long() + torch.arange(d2t.numel())
+    if d2t.numel() and (int(target_ids.min()) < 0 or int(target_ids.max()) >= V):
+        errors.append(f"d2t maps draft ids to target ids {int(target_ids.min())}..{int(target_ids.max())}, "
+                      f"outside the target vocab 0..{V - 1}")
+    elif t2d.numel() == V and not bool(t2d.bool()[target_ids].all()):
+        errors.append("d2t and t2d disagree (a draft token's target id is not marked in t2d)")
+    return errors
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-prompt counters and their sums
+
+@dataclass
+class DecodeStats:
+    """One prompt (all its turns) under one configuration. Engines' own counters, not estimates."""
+    prompt_id: str
+    output_ids: List[List[int]]        # per turn, stop token included when one was produced
+    seconds: float                     # wall time of the decode calls
+    num_drafts: int = 0                # verify steps that checked a draft chain (vLLM num_drafts, SGLang spec_verify_ct)
+    num_draft_tokens: int = 0
+    num_accepted: int = 0              # accepted draft tokens, bonus tokens not included
+    accepted_per_pos: List[int] = field(default_factory=list)   # [k]: verify steps whose draft j was accepted
+    engine_tokens: int = 0             # SGLang: completion_tokens as it counted them (its tau numerator)
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(len(t) for t in self.output_ids)
+
+
+def summarize(spec: Sequence[DecodeStats], base: Sequence[DecodeStats], tau_rule: str) -> dict:
+    """Sum the counters of one drafter x prompt set.
+
+    tau_rule "vllm": 1 + accepted / drafts (vLLM's metric; the hf backend counts the same way).
+    tau_rule "sglang": completion_tokens / spec_verify_ct, which also counts the token the prefill
+    produces, so it is a little higher than the vLLM rule on short outputs.
+    """
+    drafts = sum(s.num_drafts for s in spec)
+    accepted = sum(s.num_accepted for s in spec)
+    k = max((len(s.accepted_per_pos) for s in spec), default=0)
+    per_pos = [sum(s.accepted_per_pos[j] for s in spec if j < len(s.accepted_per_pos)) for j in range(k)]
+    tokens, secs = sum(s.new_tokens for s in spec), sum(s.seconds for s in spec)
+    btokens, bsecs = sum(s.new_tokens for s in base), sum(s.seconds for s in base)
+    if tau_rule == "sglang":
+        tau = sum(s.engine_tokens for s in spec) / drafts if drafts else None
+    else:
+        tau = 1 + accepted / drafts if drafts else None
+    tok_s = tokens / secs if secs else None
+    base_tok_s = btokens / bsecs if bsecs else None
+    return {
+        "tau": tau, "tau_rule": tau_rule,
+        "accept_per_position": [p / drafts for p in per_pos] if drafts else [0.0] * k,
+        "num_drafts": drafts, "num_draft_tokens": sum(s.num_draft_tokens for s in spec),
+        "num_accepted": accepted, "new_tokens": tokens, "seconds": secs,
+        "tok_s": tok_s, "baseline_tok_s": base_tok_s, "baseline_new_tokens": btokens,
+        "speedup": tok_s / base_tok_s if tok_s and base_tok_s else None,
+        "num_prompts": len(spec),
+        "mismatches": find_mismatches(spec, base),
+    }
+
+
+def find_mismatches(spec: Sequence[DecodeStats], base: Sequence[DecodeStats]) -> List[dict]:
+    """Prompts whose speculative output differs from the plain decode (greedy must be identical)."""
+    by_id = {b.prompt_id: b for b in base}
+    out = []
+    for s in spec:
+        b = by_id.get(s.prompt_id)
+        if b is None:
+            continue
+        for turn, (x, y) in enumerate(zip(s.output_ids, b.output_ids)):
+            if x != y:
+                first = next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
+                out.append({"prompt_id": s.prompt_id, "turn": turn, "first_diff": first,
+                            "spec_len": len(x), "baseline_len": len(y)})
+                break
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Engine responses -> DecodeStats counters
+
+VLLM_METRICS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+                "vllm:spec_decode_num_accepted_tokens", "vllm:spec_decode_num_accepted_tokens_per_pos")
+
+
+def vllm_counters(metrics) -> dict:
+    """llm.get_metrics() -> {drafts, draft_tokens, accepted, per_pos: [k]} (cumulative per LLM)."""
+    out = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": []}
+    keys = dict(zip(VLLM_METRICS, ("drafts", "draft_tokens", "accepted", "per_pos")))
+    for m in metrics:   # one entry per label set (engine index): sum them
+        key = keys.get(getattr(m, "name", None))
+        if key == "per_pos":
+            vals = [int(v) for v in m.values]
+            pad = out["per_pos"] + [0] * (len(vals) - len(out["per_pos"]))
+            out["per_pos"] = [a + (vals[j] if j < len(vals) else 0) for j, a in enumerate(pad)]
+        elif key is not None:
+            out[key] += int(m.value)
+    return out
+
+
+def vllm_delta(before: dict, after: dict) -> dict:
+    per_pos = [a - (before["per_pos"][j] if j < len(before["per_pos"]) else 0)
+               for j, a in enumerate(after["per_pos"])]
+    return {"drafts": after["drafts"] - before["drafts"],
+            "draft_tokens": after["draft_tokens"] - before["draft_tokens"],
+            "accepted": after["accepted"] - before["accepted"], "per_pos": per_pos}
+
+
+def sglang_counters(response: dict, num_steps: int) -> dict:
+    """One /generate response (SGLang 0.5.23, non-streaming) -> counters of that request.
+
+    meta_info carries completion_tokens always and, when speculative decoding ran and verified at
+    least once, spec_verify_ct, spec_num_correct_drafts and spec_correct_drafts_histogram
+    (histogram[m] = verify steps that accepted m drafts). Draft position j (1-based) was accepted
+    in every step that accepted >= j drafts.
+    """
+    meta = response["meta_info"]
+    finish = meta.get("finish_reason")
+    if isinstance(finish, dict) and finish.get("type") == "abort":
+        raise RuntimeError(f"SGLang aborted request {meta.get('id')}: {finish.get('message')}")
+    verify = int(meta.get("spec_verify_ct", 0))
+    hist = list(meta.get("spec_correct_drafts_histogram") or [])
+    per_pos = [sum(hist[m] for m in range(j, len(hist))) for j in range(1, num_steps + 1)]
+    return {"output_ids": list(response.get("output_ids", [])),
+            "completion_tokens": int(meta["completion_tokens"]),
+            "drafts": verify, "accepted": int(meta.get("spec_num_correct_drafts", 0)),
+            "draft_tokens": int(meta.get("spec_num_proposed_drafts", 0)), "per_pos": per_pos,
+            "finish_reason": finish}
+
+
+# ----------------------------------------------------------------------------------------------
+# report.json, report.md, plots
+
+def write_report(out_dir: Path, rows: List[dict], settings: dict, versions: dict,
+                 production_baseline_tok_s: Optional[float] = None) -> Dict[str, Path]:
+    """rows: one dict per drafter x prompt set (summarize() plus "drafter", "drafter_path", "prompts")."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report = {"settings": settings, "versions": versions,
+              "production_baseline_tok_s": production_baseline_tok_s, "results": rows}
+    paths = {"json": out_dir / "report.json", "md": out_dir / "report.md"}
+    paths["json"].write_text(json.dumps(report, indent=2) + "\n")
+    paths["md"].write_text(markdown_table(rows, settings, production_baseline_tok_s))
+    paths["tau_png"] = plot_tau(rows, out_dir / "tau.png", settings)
+    paths["accept_png"] = plot_acceptance(rows, out_dir / "acceptance.png", settings)
+    return paths
+
+
+def _f(x, fmt="{:.2f}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+def markdown_table(rows: Sequence[dict], settings: dict, production_baseline_tok_s=None) -> str:
+    s = settings
+    lines = [f"# Drafter evaluation ({s.get('backend')}, target {s.get('target')})", "",
+             f"greedy, chain of {s.get('num_steps')} draft tokens (topk {s.get('topk')}, "
+             f"{s.get('num_draft_tokens')} draft tokens per verify), max {s.get('max_new_tokens')} new tokens, "
+             f"{s.get('num_prompts')} prompts per set, batch 1. tau = tokens per target verify step "
+             f"incl. the bonus token ({rows[0]['tau_rule'] if rows else ''} rule).", ""]
+    prod = f" | production baseline tok/s" if production_baseline_tok_s else ""
+    lines.append("| drafter | prompts | tau | accept per position | drafts | accepted | tok/s | "
+                 f"baseline tok/s{prod} | speedup | mismatches |")
+    lines.append("|" + "---|" * (10 + bool(production_baseline_tok_s)))
+    for r in rows:
+        acc = " / ".join(f"{a:.3f}" for a in r["accept_per_position"])
+        prod = f" | {production_baseline_tok_s:g}" if production_baseline_tok_s else ""
+        mism = ", ".join(f"{m['prompt_id']}@{m['first_diff']}" for m in r["mismatches"]) or "0"
+        lines.append(f"| {r['drafter']} | {r['prompts']} | {_f(r['tau'])} | {acc} | {r['num_drafts']} | "
+                     f"{r['num_accepted']} | {_f(r['tok_s'], '{:.1f}')} | {_f(r['baseline_tok_s'], '{:.1f}')}"
+                     f"{prod} | {_f(r['speedup'])}x | {mism} |")
+    return "\n".join(lines) + "\n"
+
+
+def _labels(rows):
+    drafters = list(dict.fromkeys(r["drafter"] for r in rows))
+    sets = list(dict.fromkeys(r["prompts"] for r in rows))
+    return drafters, sets
+
+
+def plot_tau(rows: Sequence[dict], out: Path, settings: dict) -> Path:
+    """Grouped bars: tau per prompt set (groups) and drafter (bars), values written on the bars."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    drafters, sets = _labels(rows)
+    width = 0.8 / max(len(drafters), 1)
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(sets) * max(len(drafters), 1) + 2), 4.5))
+    for di, d in enumerate(drafters):
+        xs, ys = [], []
+        for si, p in enumerate(sets):
+            r = next((r for r in rows if r["drafter"] == d and r["prompts"] == p), None)
+            if r is not None and r["tau"] is not None:
+                xs.append(si + (di - (len(drafters) - 1) / 2) * width)
+                ys.append(r["tau"])
+        bars = ax.bar(xs, ys, width * 0.95, label=d)
+        ax.bar_label(bars, fmt="%.2f", fontsize=8)
+    k = settings.get("num_steps") or 0
+    ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+    ax.set_xticks(range(len(sets)), sets)
+    ax.set_ylim(0, max(k + 1, max([r["tau"] or 0 for r in rows], default=1)) * 1.1)
+    ax.set(title=f"Acceptance length tau ({settings.get('backend')}, {k} draft tokens, max {k + 1})",
+           xlabel="prompt set", ylabel="tau: tokens per target verify step")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return Path(out)
+
+
+def plot_acceptance(rows: Sequence[dict], out: Path, settings: dict) -> Path:
+    """Acceptance rate at each draft position, one bar series per drafter x prompt set."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    k = max((len(r["accept_per_position"]) for r in rows), default=1)
+    width = 0.8 / max(len(rows), 1)
+    fig, ax = plt.subplots(figsize=(min(12, max(6, 0.9 * k * max(len(rows), 1) + 2)), 4.5))
+    for ri, r in enumerate(rows):
+        xs = [j + 1 + (ri - (len(rows) - 1) / 2) * width for j in range(len(r["accept_per_position"]))]
+        bars = ax.bar(xs, r["accept_per_position"], width * 0.95, label=f"{r['drafter']} / {r['prompts']}")
+        ax.bar_label(bars, fmt="%.3f", fontsize=7)
+    ax.set_xticks(range(1, k + 1), [str(j) for j in range(1, k + 1)])
+    ax.set_ylim(0, 1.08)
+    ax.set(title=f"Acceptance per draft position ({settings.get('backend')}): accepted / verify steps",
+           xlabel="draft position in the chain", ylabel="acceptance rate")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return Path(out)
+
+
+def stats_to_json(stats: Sequence[DecodeStats]) -> List[dict]:
+    return [asdict(s) for s in stats]

@@ -1,0 +1,283 @@
+"""Drafters -> acceptance length, tok/s and speedup, measured by a real decoder.
+
+    python evaluate.py +experiment=NAME eval.drafters=[runs/NAME] [eval.backend=hf|vllm|sglang]
+        [eval.prompts=[mt_bench,mt_bench_2turn,sharegpt_heldout,path.jsonl]] [eval.num_steps=3] ...
+
+Every backend decodes each prompt set twice per drafter list: once without a drafter (baseline
+tok/s) and once per drafter, one prompt at a time (batch 1, greedy), and hands back the engine's
+own acceptance counters per prompt (eagle3.evaluation.DecodeStats). Writes report.json, report.md,
+tau.png, acceptance.png and per_prompt.jsonl to eval.out_dir.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Tuple
+
+import hydra
+
+from eagle3 import evaluation as ev
+from eagle3.config import Config, register, to_config
+
+register()
+
+# generate(prompt_ids) -> (new_ids, seconds, counters {drafts, draft_tokens, accepted, per_pos, engine_tokens})
+Generate = Callable[[List[int]], Tuple[List[int], float, dict]]
+
+
+def decode_prompts(prompts: List[ev.Prompt], tokenizer, generate: Generate) -> List[ev.DecodeStats]:
+    """Every turn of every prompt; later turns follow the model's own previous answer."""
+    out = []
+    for p in prompts:
+        st = ev.DecodeStats(p.id, [], 0.0)
+        messages = list(p.messages)
+        for turn, followup in enumerate([None] + list(p.followups)):
+            if followup is not None:
+                answer = tokenizer.decode(st.output_ids[-1], skip_special_tokens=True)
+                messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": followup}]
+            ids, secs, c = generate(ev.render(tokenizer, messages))
+            st.output_ids.append(list(ids))
+            st.seconds += secs
+            st.num_drafts += c.get("drafts", 0)
+            st.num_draft_tokens += c.get("draft_tokens", 0)
+            st.num_accepted += c.get("accepted", 0)
+            st.engine_tokens += c.get("engine_tokens", 0)
+            per_pos = c.get("per_pos") or []
+            st.accepted_per_pos = [a + b for a, b in zip(
+                st.accepted_per_pos + [0] * (len(per_pos) - len(st.accepted_per_pos)),
+                per_pos + [0] * (len(st.accepted_per_pos) - len(per_pos)))]
+        out.append(st)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Backends: each returns ({prompt set: baseline stats}, {(drafter, prompt set): stats}, versions)
+
+def run_hf(e, target_dir, dtype_name, drafters, prompt_sets, tokenizer, stop) -> tuple:
+    import torch
+    import transformers
+    from eagle3.specdec import greedy_decode, load_hf_drafter, spec_decode
+    from eagle3.targets import load_target_model
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = _torch_dtype(dtype_name, device)
+    model = load_target_model(target_dir, dtype, device)
+    base = {name: decode_prompts(ps, tokenizer, lambda ids: (*greedy_decode(model, ids, e.max_new_tokens, stop), {}))
+            for name, ps in prompt_sets.items()}
+    spec = {}
+    for d in drafters:
+        chain = load_hf_drafter(d["export"], model, device, dtype)
+
+        def gen(ids, chain=chain, aux=d["aux_layers"]):
+            toks, c, secs = spec_decode(model, chain, ids, aux, e.num_steps, e.max_new_tokens, stop)
+            return toks, secs, {"drafts": c.num_drafts, "draft_tokens": c.num_draft_tokens,
+                                "accepted": c.num_accepted, "per_pos": c.accepted_per_pos}
+        for name, ps in prompt_sets.items():
+            spec[(d["name"], name)] = decode_prompts(ps, tokenizer, gen)
+    versions = {"torch": torch.__version__, "transformers": transformers.__version__,
+                "device": device, "dtype": str(dtype).replace("torch.", "")}
+    return base, spec, versions
+
+
+def run_vllm(e, target_dir, max_model_len, drafters, prompt_sets, tokenizer, stop) -> tuple:
+    """vLLM in-process (its CPU build here): one LLM object at a time, freed before the next."""
+    import gc
+
+    import torch
+    import vllm
+    from vllm import LLM, SamplingParams
+    on_gpu = torch.cuda.is_available()
+    params = SamplingParams(temperature=0.0, max_tokens=e.max_new_tokens, stop_token_ids=list(stop))
+    common = dict(model=str(target_dir), dtype="bfloat16", max_model_len=max_model_len,
+                  # on the CPU backend this is the fraction of host memory; the 0.92 default fails at 24 GiB
+                  gpu_memory_utilization=0.85 if on_gpu else 0.25,
+                  enforce_eager=not on_gpu, disable_log_stats=False, seed=0)
+
+    def decode_all(llm) -> Dict[str, List[ev.DecodeStats]]:
+        def gen(ids):
+            before = ev.vllm_counters(llm.get_metrics())
+            t0 = time.perf_counter()
+            res = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+            secs = time.perf_counter() - t0
+            c = ev.vllm_delta(before, ev.vllm_counters(llm.get_metrics()))
+            return list(res[0].outputs[0].token_ids), secs, c
+        return {name: decode_prompts(ps, tokenizer, gen) for name, ps in prompt_sets.items()}
+
+    def with_llm(**kw):
+        llm = LLM(**common, **kw)
+        try:
+            return decode_all(llm)
+        finally:
+            del llm
+            gc.collect()
+
+    base = with_llm()
+    spec = {}
+    for d in drafters:
+        out = with_llm(speculative_config={"method": "eagle3", "model": str(d["export"]),
+                                           "num_speculative_tokens": e.num_steps})
+        spec.update({(d["name"], name): st for name, st in out.items()})
+    return base, spec, {"vllm": vllm.__version__, "torch": torch.__version__,
+                        "vllm_settings": {k: v for k, v in common.items() if k != "model"}}
+
+
+def run_sglang(e, target_dir, trust_remote_code, drafters, prompt_sets, tokenizer, stop, out_dir) -> tuple:
+    """A fresh `sglang.launch_server` per configuration (its counters are per request, but a fresh
+    server keeps caches and warm-up identical), or eval.server_url for one running server."""
+    from capture import sglang_server as srv
+
+    def serve(draft, tag) -> Dict[str, List[ev.DecodeStats]]:
+        if e.server_url:
+            return decode_sglang(e.server_url.rstrip("/"), prompt_sets, tokenizer, stop, e)
+        port = _free_port()
+        if draft is None:
+            cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(target_dir),
+                   "--tp-size", str(e.tp_size), "--port", str(port)] + \
+                  (["--trust-remote-code"] if trust_remote_code else []) + list(e.server_args)
+        else:
+            cmd = srv.eval_server_cmd(str(target_dir), str(draft), e.tp_size, e.num_steps, e.topk,
+                                      e.num_draft_tokens, port, e.server_args,
+                                      trust_remote_code=trust_remote_code)
+        url = f"http://127.0.0.1:{port}"
+        proc = srv.launch(cmd, None, str(Path(out_dir) / f"sglang_{tag}.log"), url + "/health", timeout=1800)
+        try:
+            return decode_sglang(url, prompt_sets, tokenizer, stop, e)
+        finally:
+            srv.stop(proc)
+
+    base = {} if e.server_url else serve(None, "baseline")
+    spec = {}
+    for d in drafters:
+        spec.update({(d["name"], name): st for name, st in serve(d["export"], d["name"]).items()})
+    return base, spec, {"sglang": _pkg_version("sglang")}
+
+
+def decode_sglang(url, prompt_sets, tokenizer, stop, e) -> Dict[str, List[ev.DecodeStats]]:
+    import urllib.request
+
+    def gen(ids):
+        body = {"input_ids": ids, "sampling_params": {"temperature": 0.0, "max_new_tokens": e.max_new_tokens,
+                                                      "stop_token_ids": list(stop)}}
+        req = urllib.request.Request(url + "/generate", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        t0 = time.perf_counter()
+        with urllib.request.urlopen(req, timeout=3600) as r:
+            resp = json.loads(r.read())
+        secs = time.perf_counter() - t0
+        c = ev.sglang_counters(resp, e.num_steps)
+        c["engine_tokens"] = c["completion_tokens"]
+        return c["output_ids"], secs, c
+    return {name: decode_prompts(ps, tokenizer, gen) for name, ps in prompt_sets.items()}
+
+
+# --------------------------------------------------------------------------------------------
+
+def _torch_dtype(name: str, device: str):
+    import torch
+    if name == "auto":
+        return torch.bfloat16 if device == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _pkg_version(name: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "not installed here"
+
+
+def drafter_name(path: str) -> str:
+    p = Path(path).resolve()
+    if p.parent.name == "export":          # <run_dir>/export/<engine>
+        return p.parent.parent.name
+    return p.name
+
+
+def prepare_drafters(paths: List[str], backend: str, info) -> List[dict]:
+    """Find each drafter's export dir for the backend and refuse misfits before anything starts."""
+    from eagle3.export import find_export, load_export
+    engine = "sglang" if backend == "sglang" else "vllm"     # hf reads vLLM's ids: as given
+    out, names = [], set()
+    for path in paths:
+        export = find_export(Path(path), engine)
+        tensors, cfg = load_export(export)
+        aux = ev.check_drafter_fits(cfg, info, tensors, engine=engine, where=f"drafter {export}")
+        name = drafter_name(path)
+        while name in names:
+            name += "'"
+        names.add(name)
+        out.append({"name": name, "path": str(path), "export": export, "aux_layers": aux})
+    return out
+
+
+def evaluate(c: Config) -> Dict[str, Path]:
+    from eagle3.targets import load_tokenizer, resolve_target, target_info
+    e = c.eval
+    if not e.drafters:
+        raise ValueError("eval.drafters is empty: pass export dirs or run dirs, e.g. eval.drafters=[runs/smollm2]")
+    if e.backend not in ("hf", "vllm", "sglang"):
+        raise ValueError(f"eval.backend {e.backend!r}: expected hf | vllm | sglang")
+    if e.temperature != 0.0 or (e.backend != "sglang" and e.topk != 1):
+        raise ValueError("only greedy chain drafting is evaluated (temperature 0; topk 1 for hf and vllm): "
+                         f"got temperature {e.temperature}, topk {e.topk}")
+    t = c.target
+    target_dir = resolve_target(t.source, t.path, t.name, t.arch, dict(t.random_config), t.seed)
+    info = target_info(target_dir, t.name)
+    drafters = prepare_drafters(list(e.drafters), e.backend, info)
+    tokenizer = load_tokenizer(target_dir, t.chat_template, t.trust_remote_code)
+    stop = ev.stop_token_ids(tokenizer, target_dir)
+    prompt_sets = {ev.prompt_set_name(s): ev.load_prompts(s, e.num_prompts, c.data.source, c.data.path,
+                                                          c.data.heldout_fraction) for s in e.prompts}
+    out_dir = Path(e.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if e.backend == "hf":
+        base, spec, versions = run_hf(e, target_dir, t.dtype, drafters, prompt_sets, tokenizer, stop)
+    elif e.backend == "vllm":
+        longest = max(len(ev.render(tokenizer, p.messages)) + sum(len(tokenizer(f)["input_ids"]) + 32
+                      for f in p.followups) for ps in prompt_sets.values() for p in ps)
+        turns = 1 + max(len(p.followups) for ps in prompt_sets.values() for p in ps)
+        max_len = min(info.max_position_embeddings or 1 << 30, longest + turns * e.max_new_tokens + e.num_steps + 64)
+        base, spec, versions = run_vllm(e, target_dir, max_len, drafters, prompt_sets, tokenizer, stop)
+    else:
+        base, spec, versions = run_sglang(e, target_dir, t.trust_remote_code, drafters, prompt_sets,
+                                          tokenizer, stop, out_dir)
+    rows = []
+    for d in drafters:
+        for name in prompt_sets:
+            row = ev.summarize(spec[(d["name"], name)], base.get(name, []),
+                               "sglang" if e.backend == "sglang" else "vllm")
+            rows.append({"drafter": d["name"], "drafter_path": str(d["export"]), "prompts": name,
+                         "aux_layers": d["aux_layers"], **row})
+            for m in row["mismatches"]:
+                print(f"MISMATCH {d['name']} / {name}: prompt {m['prompt_id']} turn {m['turn']} differs from "
+                      f"the plain decode at token {m['first_diff']}", file=sys.stderr)
+    settings = {"backend": e.backend, "target": t.name, "target_path": str(target_dir),
+                "target_fingerprint": info.fingerprint, "prompts": list(e.prompts),
+                "num_prompts": e.num_prompts, "max_new_tokens": e.max_new_tokens, "num_steps": e.num_steps,
+                "topk": e.topk, "num_draft_tokens": e.num_draft_tokens or e.num_steps + 1,
+                "temperature": e.temperature, "batch_size": 1, "stop_token_ids": stop}
+    with open(out_dir / "per_prompt.jsonl", "w") as f:
+        for key, stats in [(("baseline", n), s) for n, s in base.items()] + list(spec.items()):
+            for s in ev.stats_to_json(stats):
+                f.write(json.dumps({"drafter": key[0], "prompts": key[1], **s}) + "\n")
+    paths = ev.write_report(out_dir, rows, settings, versions, e.baseline_tok_s)
+    print(paths["md"].read_text())
+    return paths
+
+
+@hydra.main(version_base=None, config_path="conf", config_name="evaluate")
+def main(cfg) -> None:
+    evaluate(to_config(cfg))
+
+
+if __name__ == "__main__":   # vLLM spawns worker processes: nothing may run on import
+    main()

@@ -1,0 +1,276 @@
+"""Evaluation plumbing: prompt sets, the drafter/target fit check, engine counters -> tau,
+report files, and `python evaluate.py` end to end on a tiny random target with the hf backend."""
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from eagle3 import evaluation as ev
+from eagle3.export import drafter_config, export_drafter, export_state_dict
+from eagle3.model import DrafterShape, Eagle3Drafter
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# prompt sets
+
+def test_mt_bench_first_and_both_turns():
+    raw = [json.loads(l) for l in ev.mt_bench_file().read_text().splitlines() if l.strip()]
+    one = ev.load_prompts("mt_bench", 5)
+    two = ev.load_prompts("mt_bench_2turn", 0)
+    assert [p.id for p in one] == [str(r["question_id"]) for r in raw[:5]]
+    assert one[0].messages == [{"role": "user", "content": raw[0]["turns"][0]}] and one[0].followups == []
+    assert len(two) == 80 and two[3].followups == raw[3]["turns"][1:]
+
+
+def test_jsonl_prompt_shapes(tmp_path):
+    conv = tmp_path / "c.jsonl"
+    conv.write_text(json.dumps({"id": "a", "conversations": [{"from": "system", "value": "S"},
+                                                             {"from": "human", "value": "hi"},
+                                                             {"from": "gpt", "value": "yo"}]}) + "\n"
+                    + json.dumps({"id": "b", "messages": [{"role": "user", "content": "q"}]}) + "\n")
+    ps = ev.load_prompts(str(conv), 0)
+    assert [p.id for p in ps] == ["a", "b"]
+    assert ps[0].messages == [{"role": "system", "content": "S"}, {"role": "user", "content": "hi"}]
+    mt = tmp_path / "mt.jsonl"
+    mt.write_text(json.dumps({"question_id": 7, "turns": ["x", "y"]}) + "\n")
+    assert ev.load_prompts(str(mt), 0)[0].followups == ["y"]
+    assert ev.prompt_set_name(str(mt)) == "mt"
+    with pytest.raises(FileNotFoundError, match="mt_bench"):
+        ev.load_prompts(str(tmp_path / "missing.jsonl"), 1)
+
+
+def test_sharegpt_heldout_takes_only_heldout_ids(tmp_path):
+    import hashlib
+    path = tmp_path / "s.jsonl"
+    path.write_text("".join(json.dumps({"id": f"c{i}", "messages": [{"role": "user", "content": f"u{i}"}]}) + "\n"
+                            for i in range(200)))
+    ps = ev._conversations("jsonl", str(path), 0, 0.1)
+    held = [f"c{i}" for i in range(200)
+            if int.from_bytes(hashlib.blake2b(f"c{i}".encode(), digest_size=8).digest(), "big") / 2 ** 64 < 0.1]
+    assert [p.id for p in ps] == held and 5 < len(held) < 40
+
+
+def test_two_turn_decode_follows_the_models_own_answer():
+    from evaluate import decode_prompts
+    tok = SimpleNamespace(decode=lambda ids, skip_special_tokens: f"ans{len(ids)}")
+    seen = []
+    orig = ev.render
+    try:
+        ev.render = lambda t, messages: seen.append([dict(m) for m in messages]) or [1, 2, 3]
+        st = decode_prompts([ev.Prompt("p", [{"role": "user", "content": "q1"}], ["q2"])], tok,
+                            lambda ids: ([5] * (4 + len(seen)), 0.5, {"drafts": 2, "accepted": 1, "per_pos": [1, 0]}))
+    finally:
+        ev.render = orig
+    assert seen[1] == [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "ans5"},
+                       {"role": "user", "content": "q2"}]
+    assert st[0].output_ids == [[5] * 5, [5] * 6] and st[0].num_drafts == 4 and st[0].accepted_per_pos == [2, 0]
+
+
+# ---------------------------------------------------------------------------------------------
+# check_drafter_fits
+
+V, HT, L = 300, 48, 8
+TARGET = SimpleNamespace(name="t", vocab_size=V, hidden_size=HT, num_layers=L, model_type="llama")
+
+
+def _export(vd=100, hidden=HT, target_hidden=HT, k=3, aux=(2, 4, 5), engine="vllm", vocab=V):
+    torch.manual_seed(0)
+    shape = DrafterShape(hidden_size=hidden, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=12, vocab_size=vocab, draft_vocab_size=vd, target_hidden_size=target_hidden,
+                         num_aux=k)
+    m = Eagle3Drafter(shape)
+    d2t = torch.arange(vd) * 2 - torch.arange(vd)         # draft j -> target 2j
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[torch.arange(vd) * 2] = True
+    cfg = drafter_config(shape, list(aux), engine, "llama")
+    return export_state_dict(m.exportable_state_dict(), d2t, t2d), cfg
+
+
+def test_check_drafter_fits_accepts_a_good_drafter():
+    tensors, cfg = _export()
+    assert ev.check_drafter_fits(cfg, TARGET, tensors, "vllm") == [2, 4, 5]
+    tensors, cfg = _export(engine="sglang")
+    assert ev.check_drafter_fits(cfg, TARGET, tensors, "sglang") == [2, 4, 5]
+
+
+@pytest.mark.parametrize("change,needle", [
+    ("vocab", "t2d has 200 entries, target vocab is 300"),
+    ("d2t_range", "outside the target vocab"),
+    ("d2t_t2d", "d2t and t2d disagree"),
+    ("target_hidden", "target_hidden_size 32 != target hidden size 48"),
+    ("hidden", "hidden_size 64 != target hidden size 48"),
+    ("aux_count", "fc.weight takes 96 inputs but 3 aux layers"),
+    ("aux_range", "out of range for a 8-layer target"),
+    ("engine", "not the vllm ids"),
+])
+def test_check_drafter_fits_names_the_mismatch(change, needle):
+    tensors, cfg = _export()
+    if change == "vocab":
+        tensors, cfg = _export(vocab=200)
+        cfg["vocab_size"] = V                         # config claims the right vocab; the map does not
+    elif change == "d2t_range":
+        tensors["d2t"] = tensors["d2t"] + 250
+    elif change == "d2t_t2d":
+        tensors["t2d"] = torch.roll(tensors["t2d"], 1)
+    elif change == "target_hidden":
+        tensors, cfg = _export(target_hidden=32)
+    elif change == "hidden":
+        tensors, cfg = _export(hidden=64)
+    elif change == "aux_count":
+        tensors, cfg = _export(k=2, aux=(2, 4))
+        cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [2, 4, 5]
+        cfg["eagle3"]["aux_layers"] = [2, 4, 5]
+    elif change == "aux_range":
+        tensors, cfg = _export(aux=(2, 4, 9))
+    elif change == "engine":
+        tensors, cfg = _export(engine="sglang")       # ids shifted for SGLang, given to vLLM
+    with pytest.raises(ev.DrafterMismatch, match="does not fit") as e:
+        ev.check_drafter_fits(cfg, TARGET, tensors, "vllm")
+    assert needle in str(e.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# engine counters
+
+def test_vllm_counters_from_metric_objects():
+    from vllm.v1.metrics.reader import Counter, Gauge, Vector
+    def snap(d, t, a, pp):
+        return [Gauge(name="vllm:num_requests_running", labels={}, value=0.0),
+                Counter(name="vllm:spec_decode_num_drafts", labels={"engine": "0"}, value=d),
+                Counter(name="vllm:spec_decode_num_draft_tokens", labels={"engine": "0"}, value=t),
+                Counter(name="vllm:spec_decode_num_accepted_tokens", labels={"engine": "0"}, value=a),
+                Vector(name="vllm:spec_decode_num_accepted_tokens_per_pos", labels={"engine": "0"}, values=pp)]
+    before, after = ev.vllm_counters(snap(4, 12, 5, [3, 2, 0])), ev.vllm_counters(snap(10, 30, 14, [7, 5, 2]))
+    assert ev.vllm_delta(before, after) == {"drafts": 6, "draft_tokens": 18, "accepted": 9, "per_pos": [4, 3, 2]}
+    assert ev.vllm_counters([]) == {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": []}
+
+
+def sglang_response(output_ids, hist, num_draft_tokens=4, finish=None):
+    """A /generate response exactly as SGLang 0.5.23's TokenizerManager builds it for a finished,
+    non-streaming request with speculative decoding (tokenizer_manager.py: meta_info dict at
+    `_handle_batch_output`, `_calculate_spec_decoding_metrics`, out_dict {text, output_ids, meta_info})."""
+    verify = sum(hist)
+    correct = sum(m * n for m, n in enumerate(hist))
+    completion = len(output_ids)
+    meta = {"id": "9f1c", "finish_reason": finish or {"type": "length", "length": completion},
+            "prompt_tokens": 31, "weight_version": "default", "num_retractions": 0,
+            "reasoning_tokens": 0, "completion_tokens": completion, "cached_tokens": 0,
+            "e2e_latency": 0.41}
+    if verify:
+        proposed = verify * (num_draft_tokens - 1)
+        meta.update({"spec_accept_rate": correct / proposed, "spec_accept_length": completion / verify,
+                     "spec_num_correct_drafts": correct, "spec_num_proposed_drafts": proposed,
+                     "spec_verify_ct": verify, "spec_correct_drafts_histogram": list(hist)})
+    return {"text": "..." * completion, "output_ids": list(output_ids), "meta_info": meta}
+
+
+def test_sglang_response_parsing_and_tau():
+    # 5 verify steps accepting 3, 0, 2, 1, 3 drafts: 1 (prefill) + 4 + 1 + 3 + 2 + 4 = 15 tokens
+    hist = [1, 1, 1, 2]
+    r = sglang_response(list(range(100, 115)), hist)
+    c = ev.sglang_counters(r, 3)
+    assert c["drafts"] == 5 and c["accepted"] == 9 and c["per_pos"] == [4, 3, 2]
+    assert c["output_ids"] == list(range(100, 115)) and c["completion_tokens"] == 15
+    assert c["completion_tokens"] / c["drafts"] == pytest.approx(r["meta_info"]["spec_accept_length"])
+    # a baseline server (no speculative algorithm) has no spec fields
+    b = ev.sglang_counters(sglang_response([1, 2, 2], []), 3)
+    assert b["drafts"] == 0 and b["per_pos"] == [0, 0, 0]
+    st = ev.DecodeStats("p", [c["output_ids"]], 1.0, num_drafts=5, num_accepted=9, accepted_per_pos=[4, 3, 2],
+                        engine_tokens=15)
+    row = ev.summarize([st], [ev.DecodeStats("p", [c["output_ids"]], 2.0)], "sglang")
+    assert row["tau"] == pytest.approx(3.0) and row["accept_per_position"] == pytest.approx([0.8, 0.6, 0.4])
+    assert row["speedup"] == pytest.approx(2.0) and row["mismatches"] == []
+    with pytest.raises(RuntimeError, match="aborted"):
+        ev.sglang_counters(sglang_response([1], [], finish={"type": "abort", "message": "oom"}), 3)
+
+
+def test_summarize_vllm_rule_and_mismatch_report():
+    spec = [ev.DecodeStats("a", [[1, 2, 3]], 1.0, 2, 6, 3, [2, 1, 0]),
+            ev.DecodeStats("b", [[4, 5], [6, 7, 8]], 1.0, 4, 12, 1, [1, 0, 0])]
+    base = [ev.DecodeStats("a", [[1, 2, 3]], 4.0), ev.DecodeStats("b", [[4, 5], [6, 9, 8]], 4.0)]
+    row = ev.summarize(spec, base, "vllm")
+    assert row["tau"] == pytest.approx(1 + 4 / 6) and row["accept_per_position"] == pytest.approx([0.5, 1 / 6, 0])
+    assert row["tok_s"] == pytest.approx(4.0) and row["baseline_tok_s"] == pytest.approx(1.0)
+    assert row["mismatches"] == [{"prompt_id": "b", "turn": 1, "first_diff": 1, "spec_len": 3, "baseline_len": 3}]
+
+
+def test_report_files(tmp_path):
+    rows = []
+    for d, tau in (("trained", 2.1), ("untrained", 1.0)):
+        for p in ("mt_bench", "sharegpt_heldout"):
+            rows.append({"drafter": d, "drafter_path": "/x", "prompts": p, "tau": tau, "tau_rule": "vllm",
+                         "accept_per_position": [0.6, 0.3, 0.2] if tau > 1 else [0.0, 0.0, 0.0],
+                         "num_drafts": 10, "num_accepted": 11, "tok_s": 20.0, "baseline_tok_s": 14.0,
+                         "speedup": 20 / 14, "mismatches": []})
+    settings = {"backend": "vllm", "target": "smollm2", "num_steps": 3, "topk": 1, "num_draft_tokens": 4,
+                "max_new_tokens": 64, "num_prompts": 5}
+    paths = ev.write_report(tmp_path, rows, settings, {"vllm": "0.32.0"}, production_baseline_tok_s=90)
+    rep = json.loads(paths["json"].read_text())
+    assert rep["results"][0]["tau"] == 2.1 and rep["production_baseline_tok_s"] == 90
+    md = paths["md"].read_text()
+    assert "| trained | mt_bench | 2.10 | 0.600 / 0.300 / 0.200 |" in md and "| 90 |" in md
+    for k in ("tau_png", "accept_png"):
+        assert paths[k].read_bytes()[:4] == b"\x89PNG" and paths[k].stat().st_size > 10_000
+
+
+# ---------------------------------------------------------------------------------------------
+# end to end: python evaluate.py on a tiny random target, hf backend
+
+def test_evaluate_hf_end_to_end(tmp_path):
+    import subprocess
+    import sys
+
+    from eagle3.targets import resolve_target, target_info
+    from omegaconf import OmegaConf
+    tcfg = OmegaConf.load(ROOT / "conf/target/tiny_llama.yaml")
+    tdir = resolve_target("random", "", tcfg.name, "llama", OmegaConf.to_container(tcfg.random_config), 0)
+    info = target_info(tdir)
+    torch.manual_seed(0)
+    shape = DrafterShape(hidden_size=info.hidden_size, intermediate_size=128, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, vocab_size=info.vocab_size, draft_vocab_size=512,
+                         target_hidden_size=info.hidden_size, num_aux=3)
+    m = Eagle3Drafter(shape)
+    d2t = torch.zeros(512, dtype=torch.long)
+    t2d = torch.zeros(info.vocab_size, dtype=torch.bool)
+    t2d[:512] = True
+    aux = [2, 3, info.num_layers - 3]
+    export_drafter(tmp_path / "run_a" / "export", m.exportable_state_dict(), shape, d2t, t2d, aux, "llama")
+    out = tmp_path / "eval"
+    r = subprocess.run([sys.executable, "evaluate.py", "+experiment=tiny", f"run_dir={tmp_path}/r",
+                        f"eval.drafters=[{tmp_path}/run_a,{tmp_path}/run_a/export/vllm]",
+                        "eval.prompts=[mt_bench,mt_bench_2turn]", "eval.num_prompts=2",
+                        "eval.max_new_tokens=12", f"eval.out_dir={out}"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rep = json.loads((out / "report.json").read_text())
+    assert [(x["drafter"], x["prompts"]) for x in rep["results"]] == [
+        ("run_a", "mt_bench"), ("run_a", "mt_bench_2turn"), ("run_a'", "mt_bench"), ("run_a'", "mt_bench_2turn")]
+    for x in rep["results"]:
+        assert x["mismatches"] == [] and x["num_drafts"] > 0 and 1.0 <= x["tau"] <= 4.0
+        assert x["aux_layers"] == aux and x["baseline_tok_s"] > 0
+    # the same drafter reached two ways decodes identically
+    assert rep["results"][0]["num_accepted"] == rep["results"][2]["num_accepted"]
+    lines = [json.loads(l) for l in (out / "per_prompt.jsonl").read_text().splitlines()]
+    two = [l for l in lines if l["prompts"] == "mt_bench_2turn"]
+    assert two and all(len(l["output_ids"]) == 2 for l in two)
+    assert (out / "tau.png").exists() and (out / "acceptance.png").exists()
+
+
+def test_evaluate_refuses_a_misfit_before_starting(tmp_path):
+    import subprocess
+    import sys
+    tensors, cfg = _export()          # vocab 300, hidden 48: not the tiny target
+    d = tmp_path / "bad"
+    d.mkdir()
+    from safetensors.torch import save_file
+    save_file(tensors, str(d / "model.safetensors"))
+    (d / "config.json").write_text(json.dumps(cfg))
+    r = subprocess.run([sys.executable, "evaluate.py", "+experiment=tiny", f"run_dir={tmp_path}/r",
+                        f"eval.drafters=[{d}]", f"eval.out_dir={tmp_path}/e"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "does not fit target" in r.stderr and "target_hidden_size 48" in r.stderr
+    assert not (tmp_path / "e" / "report.json").exists()

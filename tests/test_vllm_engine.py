@@ -1,0 +1,149 @@
+"""hf reference vs vLLM (CPU build) on the real SmolLM2 target with the same drafter and prompts.
+
+The drafter comes from EAGLE3_TEST_DRAFTER (an export or run dir: e.g. a trained SmolLM2 drafter)
+or, by default, from a quick fixture: a drafter fitted for a minute to SmolLM2's own greedy answers
+to the very prompts evaluated, so both decoders accept a good share of its drafts (the point is
+that the two decoders COUNT the same, not that the drafter generalises).
+
+Why tau may differ between the two (tolerance below): vLLM runs the target and drafter in bf16,
+the hf backend here in bf16 too but through other kernels, so a near-tie argmax can flip and the
+greedy text diverge; after a divergence the drafter sees text it has not memorised. Batch size is
+1 in both, so batching does not enter.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+NUM_PROMPTS, MAX_NEW, K = 3, 32, 3
+TAU_TOL = 0.15        # |tau_hf - tau_vllm|; measured 0.029 (1.632 vs 1.661) with the fixture drafter
+
+
+def _engine_missing():
+    try:
+        import vllm  # noqa: F401
+        return None
+    except Exception as e:           # not installed, or installed without a usable torch
+        return f"vLLM is not importable here: {e}"
+
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(_engine_missing() is not None,
+                                                   reason=str(_engine_missing()))]
+
+
+def fit_memorizing_drafter(out_root: Path, steps: int = 80) -> Path:
+    """Greedy SmolLM2 answers to the evaluated prompts -> aux/next-token pairs -> a drafter trained
+    (step 0 only, hard labels = the target's greedy tokens) until it reproduces them. Exported with
+    the real exporter, so the engine reads exactly what training would hand it."""
+    from eagle3 import evaluation as ev
+    from eagle3.export import export_drafter
+    from eagle3.model import DrafterShape, Eagle3Drafter
+    from eagle3.specdec import greedy_decode
+    from eagle3.targets import default_aux_layers, load_target_model, load_tokenizer, resolve_target, target_info
+    from eagle3.vocab import build_vocab, count_tokens
+
+    torch.manual_seed(0)
+    tdir = resolve_target("gguf", "", "smollm2")
+    info = target_info(tdir)
+    tok = load_tokenizer(tdir)
+    model = load_target_model(tdir, torch.float32, "cpu")   # fp32: faster than bf16 on this CPU
+    stop = ev.stop_token_ids(tok, tdir)
+    aux_layers = default_aux_layers(info.num_layers)
+    seqs, masks = [], []
+    for p in ev.load_prompts("mt_bench", NUM_PROMPTS):
+        ids = ev.render(tok, p.messages)
+        ans, _ = greedy_decode(model, ids, MAX_NEW, stop)
+        seqs.append(ids + ans)
+        masks.append([0] * len(ids) + [1] * len(ans))
+    vocab = build_vocab(count_tokens([torch.tensor(s) for s in seqs], [torch.tensor(m) for m in masks],
+                                     info.vocab_size), 512)
+    shape = DrafterShape(hidden_size=info.hidden_size, intermediate_size=512, num_attention_heads=9,
+                         num_key_value_heads=3, head_dim=64, vocab_size=info.vocab_size, draft_vocab_size=512,
+                         target_hidden_size=info.hidden_size, num_aux=3, rms_norm_eps=info.rms_norm_eps,
+                         rope_theta=info.rope_theta, max_position_embeddings=info.max_position_embeddings)
+    drafter = Eagle3Drafter(shape)
+    drafter.set_target_embedding(model.get_input_embeddings().weight.float())
+    rows = []
+    with torch.no_grad():
+        for s, m in zip(seqs, masks):
+            hs = model(torch.tensor([s]), output_hidden_states=True).hidden_states
+            aux = torch.cat([hs[i][0] for i in aux_layers], -1).float()
+            t2d = vocab.t2d
+            # row t: (aux_t, x_{t+1}) -> x_{t+2}; train where x_{t+2} is an answer token
+            ids = torch.tensor(s)
+            target = ids[2:]
+            keep = torch.tensor(m[2:]).bool() & t2d[target]
+            rows.append((aux[:-1], ids[1:], target, keep))
+    draft_of = torch.full((info.vocab_size,), -1, dtype=torch.long)
+    draft_of[vocab.draft_ids] = torch.arange(vocab.size)
+    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=2e-3)
+    for _ in range(steps):
+        loss = 0.0
+        for aux, nxt, target, keep in rows:
+            logits, _ = drafter(aux[None], nxt[None])
+            loss = loss + torch.nn.functional.cross_entropy(logits[0, :-1][keep], draft_of[target][keep])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    dirs = export_drafter(out_root / "export", drafter.exportable_state_dict(), shape, vocab.d2t, vocab.t2d,
+                          aux_layers, "llama", "smollm2", info.fingerprint, engines=("vllm",))
+    # the same weights with the vLLM ids shifted by one: a wiring error acceptance must expose
+    export_drafter(out_root / "shifted" / "export", drafter.exportable_state_dict(), shape, vocab.d2t,
+                   vocab.t2d, aux_layers, "llama", engines=("vllm",),
+                   aux_ids_override={"vllm": [i + 1 for i in aux_layers]})
+    # drop our own record of the meaning, or check_drafter_fits (rightly) refuses the mismatch
+    cfg_path = out_root / "shifted" / "export" / "vllm" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    del cfg["eagle3"]["aux_layers"]
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+    return dirs["vllm"]
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(tmp_path_factory):
+    given = os.environ.get("EAGLE3_TEST_DRAFTER")
+    if given:
+        return Path(given)
+    return fit_memorizing_drafter(tmp_path_factory.mktemp("memorizer"))
+
+
+def _evaluate(backend, drafters, out, extra=()):
+    cmd = [sys.executable, "evaluate.py", "+experiment=smollm2", f"run_dir={out}/run", f"eval.backend={backend}",
+           f"eval.drafters=[{','.join(str(d) for d in drafters)}]", "eval.prompts=[mt_bench]",
+           f"eval.num_prompts={NUM_PROMPTS}", f"eval.max_new_tokens={MAX_NEW}", f"eval.num_steps={K}",
+           f"eval.out_dir={out}", *extra]
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200, env=env)
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-4000:])
+    return json.loads((Path(out) / "report.json").read_text())
+
+
+def test_hf_and_vllm_agree_on_tau(drafter_dir, tmp_path):
+    shifted = drafter_dir.parent.parent / "shifted" / "export" / "vllm"
+    drafters = [drafter_dir] + ([shifted] if shifted.exists() else [])
+    hf = _evaluate("hf", [drafter_dir], tmp_path / "hf", ["target.dtype=bfloat16"])["results"][0]
+    print(f"\nhf  tau {hf['tau']:.3f} acc {hf['accept_per_position']} drafts {hf['num_drafts']}", flush=True)
+    rep = _evaluate("vllm", drafters, tmp_path / "vllm")
+    vl = rep["results"][0]
+    print(f"\nhf  tau {hf['tau']:.3f} acc {hf['accept_per_position']} drafts {hf['num_drafts']}"
+          f"\nvllm tau {vl['tau']:.3f} acc {vl['accept_per_position']} drafts {vl['num_drafts']}"
+          f" tok/s {vl['tok_s']:.1f} baseline {vl['baseline_tok_s']:.1f}")
+    # bf16: a verify pass over k+1 rows may round differently from a one-row decode step, so a
+    # near-tie can flip and the speculative text leave the plain one; that is reported, not hidden
+    # (the fp32 hf runs in test_specdec.py / test_evaluation.py require zero mismatches).
+    print(f"mismatches (bf16) hf {hf['mismatches']} vllm {vl['mismatches']}")
+    assert hf["tau"] > 1.3, "the drafter must be accepted often enough for the comparison to mean something"
+    assert abs(hf["tau"] - vl["tau"]) <= TAU_TOL
+    for a, b in zip(hf["accept_per_position"], vl["accept_per_position"]):
+        assert abs(a - b) <= 0.15
+    if len(rep["results"]) > 1:
+        sh = rep["results"][1]
+        # Measured only: the memorising fixture drafter scored the same tau (1.661) with ids shifted
+        # by one (adjacent layers' states give it the same argmax), so it cannot show the layer-id
+        # convention; that needs a drafter trained on real data (assert it then).
+        print(f"shifted ids: vllm tau {sh['tau']:.3f} acc {sh['accept_per_position']}")
