@@ -105,9 +105,16 @@ def run_vllm(e, target_dir, max_model_len, drafters, prompt_sets, tokenizer, sto
             return list(res[0].outputs[0].token_ids), secs, c
         return {name: decode_prompts(ps, tokenizer, gen) for name, ps in prompt_sets.items()}
 
-    def with_llm(**kw):
+    def with_llm(drafter=None, **kw):
         llm = LLM(**common, **kw)
         try:
+            if drafter is not None:
+                # What vLLM really captures, read off its model: a mis-wired id crashes nothing.
+                drafter["engine_aux_layers"] = llm.apply_model(engine_aux_layers)[0]
+                if drafter["engine_aux_layers"] != drafter["aux_layers"]:
+                    print(f"[eval] WARNING: vLLM captures the residual stream entering layers "
+                          f"{drafter['engine_aux_layers']} but drafter {drafter['name']} was trained on "
+                          f"{drafter['aux_layers']}: its acceptance will suffer", file=sys.stderr)
             return decode_all(llm)
         finally:
             del llm
@@ -117,29 +124,40 @@ def run_vllm(e, target_dir, max_model_len, drafters, prompt_sets, tokenizer, sto
     spec = {}
     for d in drafters:
         out = with_llm(speculative_config={"method": "eagle3", "model": str(d["export"]),
-                                           "num_speculative_tokens": e.num_steps})
+                                           "num_speculative_tokens": e.num_steps}, drafter=d)
         spec.update({(d["name"], name): st for name, st in out.items()})
     return base, spec, {"vllm": vllm.__version__, "torch": torch.__version__,
                         "vllm_settings": {k: v for k, v in common.items() if k != "model"}}
+
+
+def engine_aux_layers(model) -> list | None:
+    """Runs inside vLLM's worker (LLM.apply_model): the layer ids whose entering residual stream the
+    target hands the drafter (vLLM's `aux_hidden_state_layers`, this project's aux_layers meaning)."""
+    for m in model.modules():
+        layers = getattr(m, "aux_hidden_state_layers", None)
+        if layers:
+            return [int(i) for i in layers]
+    return None
 
 
 def run_sglang(e, target_dir, trust_remote_code, drafters, prompt_sets, tokenizer, stop, out_dir) -> tuple:
     """A fresh `sglang.launch_server` per configuration (its counters are per request, but a fresh
     server keeps caches and warm-up identical), or eval.server_url for one running server."""
     from capture import sglang_server as srv
+    from capture.sglang_client import sglang_python   # SGLang lives in its own environment
 
     def serve(draft, tag) -> Dict[str, List[ev.DecodeStats]]:
         if e.server_url:
             return decode_sglang(e.server_url.rstrip("/"), prompt_sets, tokenizer, stop, e)
         port = _free_port()
         if draft is None:
-            cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(target_dir),
+            cmd = [sglang_python(), "-m", "sglang.launch_server", "--model-path", str(target_dir),
                    "--tp-size", str(e.tp_size), "--port", str(port)] + \
                   (["--trust-remote-code"] if trust_remote_code else []) + list(e.server_args)
         else:
             cmd = srv.eval_server_cmd(str(target_dir), str(draft), e.tp_size, e.num_steps, e.topk,
                                       e.num_draft_tokens, port, e.server_args,
-                                      trust_remote_code=trust_remote_code)
+                                      trust_remote_code=trust_remote_code, python=sglang_python())
         url = f"http://127.0.0.1:{port}"
         proc = srv.launch(cmd, None, str(Path(out_dir) / f"sglang_{tag}.log"), url + "/health", timeout=1800)
         try:
@@ -256,7 +274,7 @@ def evaluate(c: Config) -> Dict[str, Path]:
             row = ev.summarize(spec[(d["name"], name)], base.get(name, []),
                                "sglang" if e.backend == "sglang" else "vllm")
             rows.append({"drafter": d["name"], "drafter_path": str(d["export"]), "prompts": name,
-                         "aux_layers": d["aux_layers"], **row})
+                         "aux_layers": d["aux_layers"], "engine_aux_layers": d.get("engine_aux_layers"), **row})
             for m in row["mismatches"]:
                 print(f"MISMATCH {d['name']} / {name}: prompt {m['prompt_id']} turn {m['turn']} differs from "
                       f"the plain decode at token {m['first_diff']}", file=sys.stderr)
