@@ -24,8 +24,9 @@ from omegaconf import OmegaConf
 from eagle3 import checkpoint, config as config_schema
 from eagle3.engine_ids import check_aux_layers
 from eagle3.export import export_drafter
+from eagle3.data import is_heldout
 from eagle3.features import FeatureDataset, check_compatible, collate
-from eagle3.loss import ttt_loss, unigram_correct
+from eagle3.loss import step_counts, target_teacher, ttt_loss, unigram_correct
 from eagle3.model import Eagle3Drafter, drafter_shape
 from eagle3.plots import plot_runs
 from capture.run import capture_features, template_sha256
@@ -113,10 +114,12 @@ def main(cfg) -> None:
                                        "hidden_size": info.hidden_size,
                                        "tokenizer": {"chat_template_sha256": template_sha256(tok)}},
                          where=str(features_dir))
-        heldout_ids = set(ds.manifest["data"].get("heldout_ids", []))
+        # the split is a function of the conversation id (eagle3.data.is_heldout), so it holds for any
+        # dataset of the same conversations, whatever fraction the capture was run with
         ids = [ds.sample_id(i) for i in range(len(ds))]
-        train_idx = [i for i, s in enumerate(ids) if s not in heldout_ids]
-        held_idx = [i for i, s in enumerate(ids) if s in heldout_ids]
+        held = [is_heldout(sid, c.data.heldout_fraction) for sid in ids]
+        train_idx = [i for i, h in enumerate(held) if not h]
+        held_idx = [i for i, h in enumerate(held) if h]
         tokens_of = lambda i: (ds[i]["input_ids"], ds[i]["loss_mask"])  # noqa: E731
         make_batch = lambda idx: collate([ds[i] for i in idx], [ids[i] for i in idx])  # noqa: E731
         data_desc = f"features {features_dir} ({len(train_idx)} train / {len(held_idx)} held-out samples)"
@@ -180,10 +183,27 @@ def main(cfg) -> None:
               f"params, draft vocab {len(vocab.d2t)} (covers {vocab.coverage:.2%} of assistant tokens), "
               f"{total} steps x {c.train.batch_size} seqs, ttt {c.train.ttt_steps}, device {device}, world {world}")
 
-    def run_loss(b):
-        b = b.to(device, compute_dtype)
+    S = c.train.ttt_steps
+    # DDP averages gradients over ranks and DeepSpeed also divides by its accumulation steps; each
+    # micro-batch's loss is already its share of the global batch's loss, so undo both.
+    grad_scale = world * (per_rank // micro if ds_plugin is not None else 1)
+
+    def prepare(indices):
+        """This rank's micro-batches of one global batch with their teachers, and the per-step counts
+        of the whole global batch: every micro-batch on every rank divides by the same counts, so the
+        shares add up to exactly the loss a single process would compute on the global batch."""
+        parts = []
+        for m in range(0, len(indices), micro):
+            bt = make_batch(indices[m:m + micro]).to(device, compute_dtype)
+            parts.append((bt, target_teacher(bt.final, lm_head, vocab.draft_ids)))
+        counts = torch.zeros(S, dtype=torch.int64, device=device)
+        for bt, (_, top) in parts:
+            counts += step_counts(bt.loss_mask, bt.attention_mask, top, vocab.t2d, S)
+        return parts, acc.reduce(counts, reduction="sum").clamp(min=1)
+
+    def run_loss(bt, teacher, norm):
         with acc.autocast():
-            return model(b.input_ids, b.loss_mask, b.attention_mask, b.aux, b.final, lm_head)
+            return model(bt.input_ids, bt.loss_mask, bt.attention_mask, bt.aux, bt.final, lm_head, teacher, norm)
 
     # ---- the loop ----
     t0, tokens_seen, unigram = time.time(), 0, None
@@ -193,45 +213,45 @@ def main(cfg) -> None:
             g["lr"] = lr
         idx = batch_indices(step, len(train_idx), c.train.batch_size, c.train.seed)[rank * per_rank:(rank + 1) * per_rank]
         model.train()
-        stats = StepStats(c.train.ttt_steps)
-        for m in range(0, per_rank, micro):
-            b = make_batch([train_idx[i] for i in idx[m:m + micro]])
-            out = run_loss(b)
+        stats = StepStats(S)
+        parts, norm = prepare([train_idx[i] for i in idx])
+        for bt, teacher in parts:
+            out = run_loss(bt, teacher, norm)
             if not torch.isfinite(out.loss):
-                sys.exit(f"error: non-finite loss {out.loss.item()} at step {step} on samples {b.sample_ids}; "
+                sys.exit(f"error: non-finite loss {out.loss.item()} at step {step} on samples {bt.sample_ids}; "
                          f"the last good checkpoint in {run_dir / 'checkpoints'} is kept")
-            # DeepSpeed divides by its gradient_accumulation_steps itself
-            acc.backward(out.loss if ds_plugin is not None else out.loss * micro / per_rank)
+            acc.backward(out.loss * grad_scale)
             stats.add(out)
-            tokens_seen += int(b.attention_mask.sum())
+            tokens_seen += int(bt.attention_mask.sum())
+        del parts
         if ds_plugin is None and c.optim.grad_clip > 0:
             acc.clip_grad_norm_(trainable, c.optim.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
         if step % c.train.log_every == 0 or step == total - 1:
-            row = stats.reduce(acc)
+            row = stats.reduce(acc, batches=1)
             elapsed = time.time() - t0
             log.write({"step": step, "split": "train", "lr": lr, **row,
                        "tok_s": tokens_seen * world / max(elapsed, 1e-9)})
         if held_idx and (step % c.train.eval_every == 0 or step == total - 1):
             model.eval()
-            hs = StepStats(c.train.ttt_steps)
-            held = held_idx[:c.train.eval_batches * c.train.batch_size][rank::world]
+            hs, uni = StepStats(S), torch.zeros(2, device=device)
+            batches = [held_idx[k:k + c.train.batch_size] for k in range(0, len(held_idx), c.train.batch_size)]
+            batches = batches[:c.train.eval_batches]
             with torch.no_grad():
-                for k in range(0, len(held), micro):
-                    hs.add(run_loss(make_batch(held[k:k + micro])))
-            row = hs.reduce(acc)
-            if unigram is None:      # once: the always-draft-the-most-frequent-token baseline
-                sums = torch.tensor([0.0, 0.0])
-                with torch.no_grad():
-                    for k in range(0, len(held), micro):
-                        b = make_batch(held[k:k + micro]).to(device, compute_dtype)
-                        sums += torch.tensor(unigram_correct(b.loss_mask, b.attention_mask, b.final, lm_head,
-                                                             vocab, int(vocab.counts.argmax())), dtype=torch.float)
-                sums = acc.reduce(sums.to(device), reduction="sum").cpu()
-                unigram = float(sums[0] / sums[1].clamp(min=1))
-            log.write({"step": step, "split": "heldout", **row, "unigram_acc": unigram})
+                for gb in batches:
+                    parts, norm = prepare(gb[rank::world])
+                    for bt, teacher in parts:
+                        hs.add(run_loss(bt, teacher, norm))
+                        if unigram is None:      # the always-draft-the-most-frequent-token baseline
+                            uni += torch.tensor(unigram_correct(bt.loss_mask, bt.attention_mask, teacher[1], vocab,
+                                                                int(vocab.counts.argmax())), device=device)
+            if unigram is None:
+                uni = acc.reduce(uni, reduction="sum")
+                unigram = float(uni[0] / uni[1].clamp(min=1))
+            log.write({"step": step, "split": "heldout", **hs.reduce(acc, batches=len(batches)),
+                       "unigram_acc": unigram})
         if (step + 1) % c.train.save_every == 0 and step + 1 < total:
             checkpoint.save(acc, run_dir, step + 1, vocab_path)
 
@@ -257,31 +277,31 @@ class Objective(torch.nn.Module):
         super().__init__()
         self.drafter, self.vocab, self.ttt_steps, self.decay = drafter, vocab, ttt_steps, decay
 
-    def forward(self, input_ids, loss_mask, attention_mask, aux, final, lm_head):
+    def forward(self, input_ids, loss_mask, attention_mask, aux, final, lm_head, teacher=None, norm=None):
         return ttt_loss(self.drafter, input_ids, loss_mask, attention_mask, aux, final, lm_head, self.vocab,
-                        ttt_steps=self.ttt_steps, decay=self.decay)
+                        ttt_steps=self.ttt_steps, decay=self.decay, teacher=teacher, norm=norm)
 
 
 class StepStats:
-    """Sums of loss and per-TTT-step correct/count over micro batches, reduced over processes."""
+    """Sums of loss shares and per-TTT-step correct/count over micro batches, reduced over processes."""
 
     def __init__(self, ttt_steps: int):
-        self.loss, self.n = 0.0, 0
+        self.loss = 0.0
         self.correct = torch.zeros(ttt_steps, dtype=torch.float64)
         self.count = torch.zeros(ttt_steps, dtype=torch.float64)
 
     def add(self, out) -> None:
         self.loss += float(out.loss.detach())
-        self.n += 1
         self.correct += out.correct.detach().to("cpu", torch.float64)
         self.count += out.count.detach().to("cpu", torch.float64)
 
-    def reduce(self, acc) -> dict:
-        t = torch.cat([torch.tensor([self.loss, self.n], dtype=torch.float64), self.correct, self.count])
+    def reduce(self, acc, batches: int) -> dict:
+        """batches: how many global batches the shares cover (their losses are averaged)."""
+        t = torch.cat([torch.tensor([self.loss], dtype=torch.float64), self.correct, self.count])
         t = acc.reduce(t.to(acc.device), reduction="sum").cpu()
         k = len(self.correct)
-        correct, count = t[2:2 + k], t[2 + k:]
-        return {"loss": float(t[0] / max(t[1], 1)),
+        correct, count = t[1:1 + k], t[1 + k:]
+        return {"loss": float(t[0]) / max(batches, 1),
                 "acc": [float(a) for a in (correct / count.clamp(min=1))],
                 "tokens": int(count[0])}
 

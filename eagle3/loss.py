@@ -98,16 +98,21 @@ def _shift_left(x: torch.Tensor, n: int, fill: int = 0) -> torch.Tensor:
 def ttt_loss(drafter: Eagle3Drafter, input_ids: torch.Tensor, loss_mask: torch.Tensor,
              attention_mask: torch.Tensor, aux: torch.Tensor, final: torch.Tensor,
              target_lm_head: torch.Tensor, vocab: DraftVocab, ttt_steps: int = 7,
-             decay: float = 0.8) -> TTTOutput:
+             decay: float = 0.8, teacher: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+             norm: Optional[torch.Tensor] = None) -> TTTOutput:
     """input_ids, loss_mask, attention_mask [B, T] (right padding); aux [B, T, k*Ht];
-    final [B, T, Ht] (post-norm target hidden); target_lm_head [V, Ht]. See the module doc."""
+    final [B, T, Ht] (post-norm target hidden); target_lm_head [V, Ht]. See the module doc.
+
+    teacher: target_teacher's (p, top) when the caller computed it already. norm [S]: divide step s's
+    summed CE by norm[s] instead of this batch's count, so micro-batches and data-parallel ranks add
+    up to the loss of the whole global batch (train.py passes the global counts); per_step_loss
+    stays this batch's mean."""
     B, T = input_ids.shape
     dev = input_ids.device
     real = attention_mask.bool()
     draft_ids = vocab.draft_ids.to(dev)
-    p, top = target_teacher(final, target_lm_head, draft_ids)
-    in_draft = vocab.t2d.to(dev)[top]                   # [B, T] teacher row's argmax is draftable
-    wanted = loss_mask.bool() & real                    # [B, T] token worth predicting
+    p, top = teacher if teacher is not None else target_teacher(final, target_lm_head, draft_ids)
+    t2d = vocab.t2d.to(dev)
     positions = torch.arange(T, device=dev).expand(B, T)
 
     h = drafter.project(aux)
@@ -126,14 +131,14 @@ def ttt_loss(drafter: Eagle3Drafter, input_ids: torch.Tensor, loss_mask: torch.T
         n = T - 2 - s                                   # rows whose predicted token x_{t+2+s} exists
         if n <= 0:
             continue
-        counted = wanted[:, 2 + s:] & in_draft[:, 1 + s:T - 1]          # [B, n]
+        counted = counted_rows(loss_mask, real, top, t2d, s)              # [B, n]
         logits = drafter.logits(h[:, :n][counted])                        # [N, Vd]
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         teacher = p[:, 1 + s:T - 1][counted]                              # [N, Vd]
         ce = -(teacher * F.log_softmax(logits, dim=-1)).sum(-1)           # [N]
         num = counted.sum()
         loss_s = ce.sum() / num.clamp(min=1)
-        total = total + decay ** s * loss_s
+        total = total + decay ** s * (loss_s if norm is None else ce.sum() / norm[s])
         with torch.no_grad():
             step_loss[s] = loss_s.detach().float()
             hit = draft_ids[logits.argmax(-1)] == top[:, 1 + s:T - 1][counted]
@@ -142,12 +147,28 @@ def ttt_loss(drafter: Eagle3Drafter, input_ids: torch.Tensor, loss_mask: torch.T
     return TTTOutput(loss=total, per_step_loss=step_loss, correct=correct, count=count)
 
 
+def counted_rows(loss_mask: torch.Tensor, attention_mask: torch.Tensor, top: torch.Tensor,
+                 t2d: torch.Tensor, s: int) -> torch.Tensor:
+    """[B, T-2-s] bool: the rows TTT step s trains on (see the module doc): the predicted token
+    x_{t+2+s} is a real assistant token and the teacher row's full-vocab argmax is draftable."""
+    T = top.shape[1]
+    wanted = loss_mask.bool() & attention_mask.bool()
+    return wanted[:, 2 + s:] & t2d[top][:, 1 + s:T - 1]
+
+
 @torch.no_grad()
-def unigram_correct(loss_mask: torch.Tensor, attention_mask: torch.Tensor, final: torch.Tensor,
-                    target_lm_head: torch.Tensor, vocab: DraftVocab, token: int) -> Tuple[int, int]:
+def step_counts(loss_mask: torch.Tensor, attention_mask: torch.Tensor, top: torch.Tensor,
+                t2d: torch.Tensor, ttt_steps: int) -> torch.Tensor:
+    """[S] int64: how many rows each TTT step counts (what `norm` sums over a global batch)."""
+    T = top.shape[1]
+    return torch.tensor([int(counted_rows(loss_mask, attention_mask, top, t2d, s).sum()) if T - 2 - s > 0 else 0
+                         for s in range(ttt_steps)], dtype=torch.int64, device=top.device)
+
+
+@torch.no_grad()
+def unigram_correct(loss_mask: torch.Tensor, attention_mask: torch.Tensor, top: torch.Tensor,
+                    vocab: DraftVocab, token: int) -> Tuple[int, int]:
     """(correct, count) of the baseline that always drafts `token` (the most frequent assistant token),
     over the rows TTT step 0 counts: what a drafter must beat to have learned anything."""
-    T = final.shape[1]
-    _, top = target_teacher(final, target_lm_head, vocab.draft_ids.to(final.device))
-    counted = (loss_mask.bool() & attention_mask.bool())[:, 2:] & vocab.t2d.to(final.device)[top][:, 1:T - 1]
-    return int((top[:, 1:T - 1][counted] == token).sum()), int(counted.sum())
+    counted = counted_rows(loss_mask, attention_mask, top, vocab.t2d.to(top.device), 0)
+    return int((top[:, 1:-1][counted] == token).sum()), int(counted.sum())

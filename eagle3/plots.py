@@ -69,6 +69,10 @@ def plot_runs(run_dirs: Sequence[Path], out: Path, labels: Sequence[str] | None 
                 if xs:
                     ax_acc.plot(xs, ys, style, color=cs, alpha=0.5 if split == "train" else 1,
                                 label=f"{name + ' ' if many else ''}step {s} {split}")
+        uni = [r["unigram_acc"] for r in rows if r.get("split") == "heldout" and r.get("unigram_acc") is not None]
+        if uni:   # what drafting the most frequent token always would score
+            ax_acc.axhline(uni[-1], color=c if many else "gray", ls="-.", lw=1,
+                           label=f"{name + ' ' if many else ''}unigram baseline {uni[-1]:.3f}")
     ax_loss.set(title="TTT loss", xlabel="optimizer step", ylabel="loss (weighted soft CE)")
     ax_acc.set(title="draft accuracy per TTT step (argmax == target argmax)", xlabel="optimizer step",
                ylabel="accuracy", ylim=(0, 1))

@@ -52,6 +52,14 @@ def test_two_processes_log_once_checkpoint_and_resume(tmp_path):
     assert not list((tmp_path / "run").glob("checkpoints/.tmp*"))
     full = {r["step"]: r["loss"] for r in rows if r["split"] == "train"}
 
+    # the same global batch in one process gives the same losses (each rank divides by the global counts)
+    one = subprocess.run([sys.executable, "train.py", *common, f"run_dir={tmp_path}/one"], cwd=ROOT,
+                         capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="2", WANDB_MODE="disabled"))
+    assert one.returncode == 0, one.stderr[-3000:]
+    single = {json.loads(l)["step"]: json.loads(l)["loss"]
+              for l in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines() if '"train"' in l}
+    assert [single[k] for k in range(6)] == pytest.approx([full[k] for k in range(6)], rel=1e-5)
+
     (tmp_path / "run" / "checkpoints" / "latest").write_text("step_0000003\n")
     torchrun(*common, f"run_dir={tmp_path}/run", "resume=true")
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -213,3 +213,30 @@ def test_bench_runs_full_steps_on_cpu(monkeypatch, capsys):
     lines = capsys.readouterr().out.splitlines()
     for key in ("params", "ms/step", "tokens/s", "peak memory", "FLOPs/step", "MFU"):
         assert any(line.startswith(key) for line in lines), (key, lines)
+
+
+def test_micro_batches_with_global_norm_add_up_to_the_whole_batch():
+    """What data parallelism and gradient accumulation rely on (train.py): each part divides by the
+    global batch's per-step counts, so the parts' losses and gradients sum to the whole batch's."""
+    from eagle3.loss import step_counts
+    d, batch, vocab = make_case(seed=3, B=4, lengths=(9, 6, 8, 4))
+    steps = 4
+    whole = ttt_loss(d, **batch, vocab=vocab, ttt_steps=steps)
+    want = grads(d, whole.loss)
+    parts = [{k: v[i:i + 2] if k != "target_lm_head" else v for k, v in batch.items()} for i in (0, 2)]
+    teachers = [target_teacher(p["final"], p["target_lm_head"], vocab.draft_ids) for p in parts]
+    norm = sum(step_counts(p["loss_mask"], p["attention_mask"], t[1], vocab.t2d, steps)
+               for p, t in zip(parts, teachers))
+    assert norm.tolist() == whole.count.tolist()
+    total, got = 0.0, None
+    for p, t in zip(parts, teachers):
+        out = ttt_loss(d, **p, vocab=vocab, ttt_steps=steps, teacher=t, norm=norm)
+        g = grads(d, out.loss)
+        got = g if got is None else {n: got[n] + g[n] for n in g}
+        total += out.loss.item()
+    assert total == pytest.approx(whole.loss.item(), rel=1e-10)
+    # a part's own mean differs from its share: the test would catch the old per-part normalisation
+    assert ttt_loss(d, **parts[1], vocab=vocab, ttt_steps=steps).loss.item() != pytest.approx(
+        whole.loss.item() - (total - out.loss.item()), rel=1e-3)
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-9, atol=1e-11, msg=n)

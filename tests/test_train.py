@@ -88,7 +88,7 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tiny_run, tmp_path
 
 
 def test_missing_dataset_without_in_process_capture_prints_command(tmp_path):
-    p = run_train("+experiment=kimi_k25", f"data.features_dir={tmp_path}/none", check=False)
+    p = run_train("+experiment=kimi_k25", f"run_dir={tmp_path}/run", f"data.features_dir={tmp_path}/none", check=False)
     assert p.returncode != 0
     assert "python -m capture +experiment=kimi_k25" in p.stderr
 

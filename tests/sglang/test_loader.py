@@ -28,6 +28,8 @@ from types import SimpleNamespace
 
 import pytest
 
+ROOT = Path(__file__).resolve().parents[2]
+
 pytest.importorskip("sglang.srt.models.llama_eagle3",
                     reason="SGLang is not installed; run with .venv-sglang/bin/python -m pytest tests/sglang")
 
@@ -138,10 +140,13 @@ def test_every_parameter_is_ours(sglang_world, tmp_path, target_arch, aux_layers
     export_dir = export(tmp_path, aux_layers, target_arch)
     cfg = json.loads((export_dir / "config.json").read_text())
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == config_ids
-    ours = load_file(str(export_dir / "model.safetensors"))
-    model = load_into_sglang(export_dir)
+    assert_every_parameter_is_ours(load_into_sglang(export_dir), load_file(str(export_dir / "model.safetensors")),
+                                   SHAPE)
+
+
+def assert_every_parameter_is_ours(model, ours, shape: DrafterShape):
     params = dict(model.named_parameters())
-    want = expected_parameters(ours, SHAPE)
+    want = expected_parameters(ours, shape)
     # The shared embedding is the target's (not exported); every other parameter must be covered.
     assert set(params) - set(want) == {"model.embed_tokens.weight"}
     for name, parts in want.items():
@@ -153,7 +158,27 @@ def test_every_parameter_is_ours(sglang_world, tmp_path, target_arch, aux_layers
         pad = p[~covered]                     # vocab padding rows only (lm_head 50 -> 64)
         assert name == "lm_head.weight" or pad.numel() == 0, name
         assert not (p[covered] == 12345.0).any(), f"{name}: left at its initial value"
-    assert torch.equal(model.hot_token_id, ours["d2t"] + torch.arange(SHAPE.draft_vocab_size))
+    assert torch.equal(model.hot_token_id, ours["d2t"] + torch.arange(shape.draft_vocab_size))
+
+
+def test_tiny_deepseek_pipeline_export_loads_into_sglang(sglang_world, tmp_path):
+    """The Kimi code path end to end: a random tiny DeepseekV3 (MLA + MoE) target captured in-process,
+    a drafter trained on it by train.py (project environment), its export/sglang loaded by SGLang's own
+    LlamaForCausalLMEagle3, with the DeepSeek layer-id rule (ids as given)."""
+    import os
+    import subprocess
+    main_python = ROOT / ".venv" / "bin" / "python"
+    assert main_python.exists(), f"{main_python} missing: run scripts/setup.sh"
+    p = subprocess.run([str(main_python), "train.py", "+experiment=tiny_deepseek", f"run_dir={tmp_path}/run",
+                        f"data.features_dir={tmp_path}/features", "train.steps=3"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=900, env=dict(os.environ, OMP_NUM_THREADS="2", WANDB_MODE="disabled"))
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    export_dir = tmp_path / "run" / "export" / "sglang"
+    cfg = json.loads((export_dir / "config.json").read_text())
+    assert cfg["eagle3"]["target_arch"] == "deepseek_v3" and cfg["eagle3"]["aux_layers"] == [2, 3, 4]
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 3, 4]
+    assert_every_parameter_is_ours(load_into_sglang(export_dir), load_file(str(export_dir / "model.safetensors")),
+                                   DrafterShape.from_hf_config(cfg))
 
 
 def _capturing(cls, num_layers):
