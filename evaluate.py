@@ -11,6 +11,7 @@ tau.png, acceptance.png and per_prompt.jsonl to eval.out_dir.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import sys
 import time
@@ -89,6 +90,9 @@ def run_vllm(e, target_dir, max_model_len, drafters, prompt_sets, tokenizer, sto
     import vllm
     from vllm import LLM, SamplingParams
     on_gpu = torch.cuda.is_available()
+    # LLM.apply_model ships our small inspection function to vLLM's engine process by pickle, which
+    # vLLM allows only when asked (both processes are ours, on this machine).
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     params = SamplingParams(temperature=0.0, max_tokens=e.max_new_tokens, stop_token_ids=list(stop))
     common = dict(model=str(target_dir), dtype="bfloat16", max_model_len=max_model_len,
                   # on the CPU backend this is the fraction of host memory; the 0.92 default fails at 24 GiB
@@ -110,7 +114,7 @@ def run_vllm(e, target_dir, max_model_len, drafters, prompt_sets, tokenizer, sto
         try:
             if drafter is not None:
                 # What vLLM really captures, read off its model: a mis-wired id crashes nothing.
-                drafter["engine_aux_layers"] = llm.apply_model(engine_aux_layers)[0]
+                drafter["engine_aux_layers"] = llm.apply_model(ev.engine_aux_layers)[0]
                 if drafter["engine_aux_layers"] != drafter["aux_layers"]:
                     print(f"[eval] WARNING: vLLM captures the residual stream entering layers "
                           f"{drafter['engine_aux_layers']} but drafter {drafter['name']} was trained on "
@@ -128,16 +132,6 @@ def run_vllm(e, target_dir, max_model_len, drafters, prompt_sets, tokenizer, sto
         spec.update({(d["name"], name): st for name, st in out.items()})
     return base, spec, {"vllm": vllm.__version__, "torch": torch.__version__,
                         "vllm_settings": {k: v for k, v in common.items() if k != "model"}}
-
-
-def engine_aux_layers(model) -> list | None:
-    """Runs inside vLLM's worker (LLM.apply_model): the layer ids whose entering residual stream the
-    target hands the drafter (vLLM's `aux_hidden_state_layers`, this project's aux_layers meaning)."""
-    for m in model.modules():
-        layers = getattr(m, "aux_hidden_state_layers", None)
-        if layers:
-            return [int(i) for i in layers]
-    return None
 
 
 def run_sglang(e, target_dir, trust_remote_code, drafters, prompt_sets, tokenizer, stop, out_dir) -> tuple:

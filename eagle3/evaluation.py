@@ -435,3 +435,13 @@ def plot_acceptance(rows: Sequence[dict], out: Path, settings: dict) -> Path:
 
 def stats_to_json(stats: Sequence[DecodeStats]) -> List[dict]:
     return [asdict(s) for s in stats]
+
+
+def engine_aux_layers(model) -> list | None:
+    """Runs inside vLLM's worker (LLM.apply_model; importable there by reference): the layer ids whose entering residual stream the
+    target hands the drafter (vLLM's `aux_hidden_state_layers`, this project's aux_layers meaning)."""
+    for m in model.modules():
+        layers = getattr(m, "aux_hidden_state_layers", None)
+        if layers:
+            return [int(i) for i in layers]
+    return None

@@ -141,8 +141,12 @@ def test_hf_and_vllm_agree_on_tau(drafter_dir, tmp_path):
     assert abs(hf["tau"] - vl["tau"]) <= TAU_TOL
     for a, b in zip(hf["accept_per_position"], vl["accept_per_position"]):
         assert abs(a - b) <= 0.15
+    # the engine itself says which residual streams it hands the drafter: the export's ids as vLLM reads
+    # them must be exactly the aux_layers the drafter was trained on
+    assert vl["engine_aux_layers"] == vl["aux_layers"] == [2, 15, 27]
     if len(rep["results"]) > 1:
         sh = rep["results"][1]
+        assert sh["engine_aux_layers"] == [3, 16, 28]      # a mis-wired export is read as written
         # Measured only: the memorising fixture drafter scored the same tau (1.661) with ids shifted
         # by one (adjacent layers' states give it the same argmax), so it cannot show the layer-id
         # convention; that needs a drafter trained on real data (assert it then).
