@@ -15,6 +15,9 @@ FLOP count (printed; MFU = FLOPs / step time / peak):
             + sum_s [ 2*B*T*(P_layer + H*Vd)           (layer + lm_head, every TTT step)
                       + 4*B*nh*d*(T*(T+1)/2 + s*T) ]   (QK and PV: causal step-0 keys + s own keys)
     train   = 3 * forward                              (backward = 2x forward)
+This nominal count is the plain algorithm's (and SpecForge's), kept for MFU comparisons. Ours does
+less: the token embedding's part of q/k/v (2*B*T*H*(nh+2*nkv)*d per step) runs once for all steps
+and fc has no input gradient; "done" FLOPs are printed too. tokens/s is the figure to compare.
 The target's teacher logits (2*B*T*Ht*V, no gradient) are timed but not counted. lm_head runs
 only on counted rows; the synthetic target is built so nearly all rows count (printed), so the
 nominal count above is what is computed. Peak = a measured large matmul in the compute dtype
@@ -59,6 +62,7 @@ def parse_args():
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--clip", type=float, default=0.5)
     ap.add_argument("--peak-tflops", type=float, help="default: measured matmul throughput")
+    ap.add_argument("--profile", action="store_true", help="print where one step's time goes")
     args = ap.parse_args()
     for key, value in PRESETS.get(args.preset, {}).items():
         if getattr(args, key) is None:
@@ -80,6 +84,39 @@ def train_flops(s: DrafterShape, B: int, T: int, steps: int) -> float:
         fwd += 2 * B * T * (layer + H * s.draft_vocab_size)
         fwd += 4 * B * nh * d * (T * (T + 1) / 2 + st * T)
     return 3 * fwd
+
+
+def done_flops(s: DrafterShape, B: int, T: int, steps: int) -> float:
+    """train_flops less what ours skips: the embedding's q/k/v part of steps 1.., fc's input grad."""
+    embed_qkv = 2 * B * T * s.hidden_size * (s.num_attention_heads + 2 * s.num_key_value_heads) * s.head_dim
+    fc = 2 * B * T * s.num_aux * s.target_hidden_size * s.hidden_size
+    return train_flops(s, B, T, steps) - 3 * embed_qkv * (steps - 1) - fc
+
+
+def profile_step(run_step, device, rows: int = 25):
+    """One step under torch.profiler: kernels by total time, and the share of the big groups."""
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        run_step()
+        sync(device)
+    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    events = [e for e in prof.key_averages() if getattr(e, key) > 0]
+    total = sum(getattr(e, key) for e in events)
+    groups = {"matmul": ("gemm", "matmul", "mm", "addmm", "linear", "cutlass", "sm90_xmma", "nvjet"),
+              "attention": ("flash", "fmha", "attention"),
+              "copy/cast": ("copy", "cast", "to_copy", "cat", "index", "gather", "scatter")}
+    share = {g: 0.0 for g in groups}
+    for e in events:
+        name = e.key.lower()
+        for g, words in groups.items():
+            if any(w in name for w in words):
+                share[g] += getattr(e, key)
+                break
+    print(f"profile       {total / 1e3:.1f} ms of kernel time in one step; " + ", ".join(
+        f"{g} {v / 1e3:.1f} ms ({v / max(total, 1):.0%})" for g, v in share.items())
+        + f", rest {(total - sum(share.values())) / 1e3:.1f} ms")
+    print(prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60))
 
 
 def sync(device):
@@ -146,24 +183,32 @@ def main():
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
+    def forward_backward():
+        with autocast:
+            out = ttt_loss(model, **batch, target_lm_head=head, vocab=vocab, ttt_steps=args.ttt)
+        out.loss.backward()
+        return out
+
+    def optimizer_step():
+        torch.nn.utils.clip_grad_norm_(trainable, args.clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
     step_ms, fwd_bwd_ms, counted = [], [], 0.0
     for i in range(args.warmup + args.steps):
         sync(device)
         t0 = time.perf_counter()
-        with autocast:
-            out = ttt_loss(model, **batch, target_lm_head=head, vocab=vocab, ttt_steps=args.ttt)
-        out.loss.backward()
+        out = forward_backward()
         sync(device)
         t1 = time.perf_counter()
-        torch.nn.utils.clip_grad_norm_(trainable, args.clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        optimizer_step()
         sync(device)
         t2 = time.perf_counter()
         if i >= args.warmup:
             step_ms.append(1e3 * (t2 - t0))
             fwd_bwd_ms.append(1e3 * (t1 - t0))
         counted = float(out.count[0]) / (args.batch * max(args.seq - 2, 1))
+        del out
 
     ms = statistics.median(step_ms)
     tokens = args.batch * args.seq
@@ -185,10 +230,13 @@ def main():
           f"clip+optimizer {ms - statistics.median(fwd_bwd_ms):.1f})")
     print(f"tokens/s      {tokens / ms * 1e3:,.0f}")
     print(f"peak memory   {mem}")
-    print(f"FLOPs/step    {flops / 1e12:.4g} TFLOP (train, see module doc); teacher "
+    print(f"FLOPs/step    {flops / 1e12:.4g} TFLOP nominal, {done_flops(shape, args.batch, args.seq, args.ttt) / 1e12:.4g} done (train, see module doc); teacher "
           f"{2 * tokens * shape.target_hidden_size * shape.vocab_size / 1e12:.4g} TFLOP not counted")
     print(f"MFU           {flops / (ms / 1e3) / 1e12 / peak:.1%} of {peak:.4g} TFLOP/s "
           f"({'given' if args.peak_tflops else 'measured matmul'})")
+
+    if args.profile:
+        profile_step(lambda: (forward_backward(), optimizer_step()), device)
 
 
 if __name__ == "__main__":

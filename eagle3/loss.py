@@ -15,7 +15,10 @@ Alignment (x = input_ids, rows t = 0..T-1 of one sequence):
 Attention (what SGLang's chain drafting sees): row t at step s attends to the step-0 keys of rows
 j <= t of its own sequence (the draft KV cache holds one step-0 row per accepted token) and to its
 own keys of steps 1..s at row t. So the keys at step s are [K_0 | K_1 | ... | K_s] (each [T]) with
-the mask [causal | diag | ... | diag]; see `ttt_mask`. Same pattern as SpecForge's flex mask.
+the mask [causal | diag | ... | diag] (`ttt_mask` spells it out; SpecForge's flex mask is the same).
+`eagle3.model.attend` computes exactly that without the mask: flash attention over K_0 (causal),
+the s diagonal keys as s dot products per row, merged by log-sum-exp. Right padding needs no mask:
+a real row t sees only rows j <= t, all real; padded rows are never counted nor seen by real ones.
 
 Positions: step s at row t uses RoPE position t+s. SGLang's draft extend runs row t (h_t, x_{t+1})
 at position t, and its draft decode loop starts at `seq_lens` (one past the last accepted row) and
@@ -33,7 +36,13 @@ ranks before dividing.
 
 Memory: the target's full-vocab logits are made once per batch, a chunk of rows at a time
 (V = 163840 at T = 4096 would be 1.3 GB in bf16); only the draft-vocab columns (as fp32 softmax)
-and the argmax are kept. The drafter's lm_head runs only on counted rows.
+and the argmax are kept. The drafter's lm_head runs only on counted rows, and the soft
+cross-entropy keeps only those rows' logits (in the compute dtype) and their log-sum-exp for
+backward; the teacher rows are gathered again from p rather than kept per step.
+
+Work shared across steps: the token embedding's part of q/k/v (step s at row t reads the token of
+row t+s+1) is projected once for all steps (eagle3.model.DecoderLayer.embed_qkv), and the fused
+q/k/v weights are cast once per unroll.
 """
 from __future__ import annotations
 
@@ -41,9 +50,8 @@ from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 
-from eagle3.model import Eagle3Drafter, causal_mask
+from eagle3.model import Eagle3Drafter
 from eagle3.vocab import DraftVocab
 
 
@@ -81,18 +89,34 @@ def target_teacher(final: torch.Tensor, target_lm_head: torch.Tensor, draft_ids:
 
 def ttt_mask(real: torch.Tensor, step: int) -> torch.Tensor:
     """[B, T] bool real -> [B, 1, T, (step+1)*T] bool over the keys [K_0 | K_1 | ... | K_step]:
-    causal (real keys, and always itself) over K_0, the diagonal over each later K_r."""
+    causal (real keys, and always itself) over K_0, the diagonal over each later K_r. What
+    `attend` computes, as a dense mask (the tests' reference; training never builds it)."""
     B, T = real.shape
+    i = torch.arange(T, device=real.device)[:, None]
+    j = torch.arange(T, device=real.device)[None, :]
+    causal = (j <= i) & (real[:, None, :] | (j == i))                   # [B, T, T]
     eye = torch.eye(T, dtype=torch.bool, device=real.device).expand(B, T, T)
-    return torch.cat([causal_mask(real)] + [eye] * step, dim=-1)[:, None]
+    return torch.cat([causal] + [eye] * step, dim=-1)[:, None]
 
 
-def _shift_left(x: torch.Tensor, n: int, fill: int = 0) -> torch.Tensor:
-    """[B, T] -> row t holds x[t+n]; rows past the end hold `fill` (never counted)."""
-    out = torch.full_like(x, fill)
-    if n < x.shape[1]:
-        out[:, :x.shape[1] - n] = x[:, n:]
-    return out
+class _SoftCrossEntropy(torch.autograd.Function):
+    """ce[i] = -sum_v p[rows[i], v] log_softmax(z[i])_v = lse(z[i]) - p[rows[i]] . z[i]
+    (p sums to 1). Saves z in its own dtype and lse [N], not fp32 copies of z or the gathered p;
+    dz = g * (softmax(z) - p[rows])."""
+
+    @staticmethod
+    def forward(ctx, z, p, rows):
+        f = torch.promote_types(z.dtype, p.dtype)
+        zf = z.to(f)
+        lse = zf.logsumexp(-1)
+        ctx.save_for_backward(z, p, rows, lse)
+        return lse - (p[rows] * zf).sum(-1)
+
+    @staticmethod
+    def backward(ctx, g):
+        z, p, rows, lse = ctx.saved_tensors
+        dz = ((z.to(lse.dtype) - lse[:, None]).exp() - p[rows]) * g[:, None]
+        return dz.to(z.dtype), None, None
 
 
 def ttt_loss(drafter: Eagle3Drafter, input_ids: torch.Tensor, loss_mask: torch.Tensor,
@@ -115,33 +139,42 @@ def ttt_loss(drafter: Eagle3Drafter, input_ids: torch.Tensor, loss_mask: torch.T
     t2d = vocab.t2d.to(dev)
     positions = torch.arange(T, device=dev).expand(B, T)
 
+    # step s at row t reads token x_{t+1+s} (0 past the end, never counted): rows s..s+T-1 of
+    # ext; the embedding's part of q/k/v is projected once for all steps.
+    ext = torch.cat([input_ids[:, 1:], input_ids.new_zeros(B, ttt_steps)], dim=1)  # [B, T-1+S]
+    w = drafter.qkv_weights()
+    e_qkv = drafter.embed_qkv(ext, w)
+    p_rows = p.reshape(B * T, -1)
+    top_rows = top.reshape(B * T)
+
     h = drafter.project(aux)
-    keys, values = [], []
+    keys, extra = None, ([], [])
     total = h.sum() * 0.0        # stays in the graph, so backward() works when nothing is counted
     step_loss = torch.zeros(ttt_steps, device=dev)
     correct = torch.zeros(ttt_steps, dtype=torch.int64, device=dev)
     count = torch.zeros(ttt_steps, dtype=torch.int64, device=dev)
     for s in range(ttt_steps):
-        past_k = torch.cat(keys, dim=2) if keys else None
-        past_v = torch.cat(values, dim=2) if values else None
-        h, k, v = drafter.layer(_shift_left(input_ids, 1 + s), h, positions + s,
-                                past_k, past_v, ttt_mask(real, s))
-        keys.append(k)
-        values.append(v)
+        h, k, v = drafter.layer(e_qkv[:, s:s + T], h, positions + s, w, keys,
+                                extra if s else None)
+        if s == 0:
+            keys = (k, v)                               # step-0 keys: seen causally by every step
+        else:
+            extra[0].append(k)                          # later steps' keys: each row its own
+            extra[1].append(v)
         n = T - 2 - s                                   # rows whose predicted token x_{t+2+s} exists
         if n <= 0:
             continue
         counted = counted_rows(loss_mask, real, top, t2d, s)              # [B, n]
-        logits = drafter.logits(h[:, :n][counted])                        # [N, Vd]
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        teacher = p[:, 1 + s:T - 1][counted]                              # [N, Vd]
-        ce = -(teacher * F.log_softmax(logits, dim=-1)).sum(-1)           # [N]
+        b, t = counted.nonzero(as_tuple=True)
+        rows = b * T + t                                                   # [N] into B*T rows
+        logits = drafter.logits(h.reshape(B * T, -1)[rows])               # [N, Vd]
+        ce = _SoftCrossEntropy.apply(logits, p_rows, rows + 1 + s)        # [N]; teacher row t+1+s
         num = counted.sum()
         loss_s = ce.sum() / num.clamp(min=1)
         total = total + decay ** s * (loss_s if norm is None else ce.sum() / norm[s])
         with torch.no_grad():
             step_loss[s] = loss_s.detach().float()
-            hit = draft_ids[logits.argmax(-1)] == top[:, 1 + s:T - 1][counted]
+            hit = draft_ids[logits.argmax(-1)] == top_rows[rows + 1 + s]
             correct[s] = hit.sum()
             count[s] = num
     return TTTOutput(loss=total, per_step_loss=step_loss, correct=correct, count=count)

@@ -18,8 +18,8 @@ from k*Ht (true for every real target).
 Parameter names are the export names (DESIGN.md "Drafter export"); `embed_tokens` is the frozen
 target embedding, shared inside the engines and never exported.
 
-One attention function, `attend`, serves training-time test (a boolean mask over the step-0 keys
-plus each row's own later-step keys, see eagle3/loss.py) and inference with a KV cache.
+One attention function, `attend`, serves training-time test (causal over the step-0 keys plus
+each row's own later-step keys, see eagle3/loss.py) and inference with a KV cache.
 """
 from __future__ import annotations
 
@@ -135,7 +135,8 @@ class RMSNorm(nn.Module):
         # Statistics in (at least) fp32 whatever the compute dtype, as SGLang's and HF's RMSNorm.
         xf = x.to(_at_least_fp32(x.dtype))
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        # the product rounded back to x's dtype: what its consumer (a bf16 matmul) reads anyway
+        return (self.weight * xf.to(x.dtype)).to(x.dtype)
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
@@ -148,12 +149,138 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """THE attention of this project. q [B, nh, Tq, d]; k, v [B, nkv, Tk, d] (already rotated);
-    allowed [B, 1, Tq, Tk] bool, True where query may see key; every row must allow one key.
-    Returns [B, nh, Tq, d]. Scale 1/sqrt(d), as SGLang's LlamaAttention."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed,
-                                          enable_gqa=q.shape[1] != k.shape[1])
+# ---- attention -------------------------------------------------------------------------------
+# One function, `attend`, for training-time test and cached inference. A query row sees a causal
+# block of keys and, in TTT, S more keys of its own (its keys of the later draft steps). The causal
+# block runs as flash attention (no [T, T] scores in memory; the CPU has its own flash kernel); the
+# S own keys are S dot products per row, merged with the block by log-sum-exp. This replaces one
+# SDPA over [K_0 | K_1 .. K_s] with a dense [T, (s+1)T] mask, which scored s*T*T keys to use s*T.
+#
+# Backward without a gradient through the block's log-sum-exp: for merged probabilities
+# P = w * P_block (w = exp(lse_block - lse)), the flash backward given grad_out' = w * dOut and the
+# MERGED output computes dS = P_block * (w dOut.v - w dOut.out) = P * (dOut.v - D), exactly the
+# merged softmax's gradient (D = dOut.out), and dV = P_block^T (w dOut) = P^T dOut.
+
+def _flash_backend(q: torch.Tensor) -> str:
+    if q.device.type == "cpu":
+        return "cpu"
+    if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16):
+        return "cuda"
+    return "math"                              # e.g. fp32 on a GPU: flash kernels need 16-bit
+
+
+def _block_forward(q, k, v, causal: bool, scale: float):
+    """softmax(q k^T * scale) v over one block of keys (causal: query i sees keys j <= i; the
+    block is square then). q [B, n, Tq, d]; k, v [B, n, Tk, d] -> (out [B, n, Tq, d],
+    lse [B, n, Tq] fp32+, state for _block_backward)."""
+    backend = _flash_backend(q)
+    if backend == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, scale=scale)
+        return out, lse, None
+    if backend == "cuda":
+        out, lse, cq, ck, mq, mk, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, causal, False, scale=scale)
+        return out, lse, (cq, ck, mq, mk, seed, offset)
+    scores = _masked_scores(q, k, causal, scale)
+    lse = scores.logsumexp(-1)
+    return (scores - lse[..., None]).exp().to(v.dtype) @ v, lse, None
+
+
+def _block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, state):
+    """(dq, dk, dv) of one block given `out` and `lse` (see the note above on what they are)."""
+    backend = _flash_backend(q)
+    if backend == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+    if backend == "cuda":
+        cq, ck, mq, mk, seed, offset = state
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse, cq, ck, mq, mk, 0.0, causal, seed, offset, scale=scale)
+    p = (_masked_scores(q, k, causal, scale) - lse[..., None]).exp()          # [B, n, Tq, Tk]
+    dsum = (dout * out).sum(-1, keepdim=True)
+    ds = p * (dout @ v.transpose(-1, -2) - dsum)
+    return ds @ k * scale, ds.transpose(-1, -2) @ q * scale, p.transpose(-1, -2) @ dout
+
+
+def _masked_scores(q, k, causal, scale):
+    s = (q @ k.transpose(-1, -2)).to(_at_least_fp32(q.dtype)) * scale
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1),
+                          float("-inf"))
+    return s
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, *extra):
+        """q [B, n, Tq, d]; k, v [B, n, Tk, d], Tk >= Tq; extra: S keys then S values
+        [B, n, Tq, d] each. Query i sees keys j <= Tk - Tq + i and its own row of every extra key."""
+        S, (B, n, Tq, d), Tk = len(extra) // 2, q.shape, k.shape[2]
+        scale, L, f = d ** -0.5, Tk - Tq, _at_least_fp32(q.dtype)
+        blocks = [(0, L, False)] if L else []            # cached rows: all visible
+        blocks.append((L, Tk, True))                     # this call's rows: causal
+        outs, lses, states = [], [], []
+        for a, b, causal in blocks:
+            o, lse, st = _block_forward(q, k[:, :, a:b], v[:, :, a:b], causal, scale)
+            outs, lses, states = outs + [o], lses + [lse], states + [st]
+        qf = q.to(f)
+        own = [(qf * ek.to(f)).sum(-1) * scale for ek in extra[:S]]        # S x [B, n, Tq]
+        lse = torch.stack(lses + own, -1).logsumexp(-1)                    # [B, n, Tq]
+        out = sum((l - lse).exp()[..., None] * o.to(f) for l, o in zip(lses, outs))
+        out = out + sum((s - lse).exp()[..., None] * ev.to(f) for s, ev in zip(own, extra[S:]))
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, *lses, *extra)
+        ctx.blocks, ctx.states, ctx.S, ctx.scale = blocks, states, S, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, *rest = ctx.saved_tensors
+        nb, S, scale = len(ctx.blocks), ctx.S, ctx.scale
+        lses, ek, ev = rest[:nb], rest[nb:nb + S], rest[nb + S:]
+        f = lse.dtype
+        dout = dout.contiguous()
+        dq, dk, dv = torch.zeros_like(q, dtype=f), [], []
+        for (a, b, causal), l, st in zip(ctx.blocks, lses, ctx.states):
+            g = ((l - lse).exp()[..., None] * dout.to(f)).to(dout.dtype)
+            dqb, dkb, dvb = _block_backward(g, q, k[:, :, a:b], v[:, :, a:b], out, l, causal,
+                                            scale, st)
+            dq, dk, dv = dq + dqb.to(f), dk + [dkb], dv + [dvb]
+        qf, df = q.to(f), dout.to(f)
+        dsum = (df * out.to(f)).sum(-1)                                    # D [B, n, Tq]
+        dek, dev = [], []
+        for kr, vr in zip(ek, ev):
+            p = ((qf * kr.to(f)).sum(-1) * scale - lse).exp()                # [B, n, Tq]
+            ds = p * ((df * vr.to(f)).sum(-1) - dsum)
+            dq = dq + scale * ds[..., None] * kr.to(f)
+            dek.append((scale * ds[..., None] * qf).to(kr.dtype))
+            dev.append((p[..., None] * df).to(vr.dtype))
+        return (dq.to(q.dtype), torch.cat(dk, 2) if nb > 1 else dk[0],
+                torch.cat(dv, 2) if nb > 1 else dv[0], *dek, *dev)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extra_k=(), extra_v=()) -> torch.Tensor:
+    """THE attention of this project. q [B, nh, Tq, d]; k, v [B, nkv, Tk, d] (already rotated),
+    Tk >= Tq: causal aligned at the end, query i sees keys j <= Tk - Tq + i (with a KV cache the
+    first Tk - Tq keys are the cached rows, seen by every new row). extra_k, extra_v: lists of
+    [B, nkv, Tq, d], more keys that only their own row sees (TTT: the row's keys of draft steps
+    1..s). Returns [B, nh, Tq, d]. Scale 1/sqrt(d), as SGLang's LlamaAttention."""
+    g = q.shape[1] // k.shape[1]
+    if g > 1:                                       # GQA: autograd sums the copies' gradients
+        k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+        extra_k = [x.repeat_interleave(g, 1) for x in extra_k]
+        extra_v = [x.repeat_interleave(g, 1) for x in extra_v]
+    return _Attention.apply(q, k, v, *extra_k, *extra_v)
+
+
+@dataclass
+class QKVWeights:
+    """The q/k/v projections fused ([nh*d + 2*nkv*d] output rows) and split by input columns: `embed`
+    reads input_layernorm(embed(x)), `hidden` reads hidden_norm(h), each [N, H]. Cast once per
+    unroll: TTT reuses them for every draft step, and the embedding's part once for all steps."""
+    embed: torch.Tensor
+    hidden: torch.Tensor
 
 
 class Attention(nn.Module):
@@ -166,17 +293,33 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(2 * s.hidden_size, self.nkv * self.d, bias=False)
         self.o_proj = nn.Linear(self.nh * self.d, s.hidden_size, bias=False)
 
-    def forward(self, a, positions, past_k, past_v, allowed):
-        """a [B, T, 2H] -> (out [B, T, H], k, v [B, nkv, T, d]: this call's keys/values)."""
-        B, T, _ = a.shape
-        q = self.q_proj(a).view(B, T, self.nh, self.d).transpose(1, 2)
-        k = self.k_proj(a).view(B, T, self.nkv, self.d).transpose(1, 2)
-        v = self.v_proj(a).view(B, T, self.nkv, self.d).transpose(1, 2)
+    def qkv_weights(self) -> QKVWeights:
+        w = self.q_proj.weight
+        dev = w.device.type
+        dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else w.dtype
+        fused = torch.cat([p.to(dt) for p in (w, self.k_proj.weight, self.v_proj.weight)])
+        H = fused.shape[1] // 2
+        return QKVWeights(embed=fused[:, :H], hidden=fused[:, H:])
+
+    def forward(self, qkv, positions, keys=None, extra=None):
+        """qkv [B, T, nh*d + 2*nkv*d] (projected, not rotated) -> (out [B, T, H], k, v
+        [B, nkv, T, d]: this call's rotated keys and values). keys: (k, v) [B, nkv, P, d] seen
+        before this call's rows (a KV cache); extra: TTT step s >= 1: (keys, values) of steps
+        1..s-1 of the same rows, `keys` then being their step-0 keys; this call's own keys join
+        the extras (see `attend`)."""
+        B, T, _ = qkv.shape
+        q, k, v = qkv.split([self.nh * self.d, self.nkv * self.d, self.nkv * self.d], dim=-1)
+        q = q.view(B, T, self.nh, self.d).transpose(1, 2)
+        k = k.view(B, T, self.nkv, self.d).transpose(1, 2)
+        v = v.view(B, T, self.nkv, self.d).transpose(1, 2)
         q, k = rope(q, positions, self.theta), rope(k, positions, self.theta)
-        keys = k if past_k is None else torch.cat([past_k, k], dim=2)
-        vals = v if past_v is None else torch.cat([past_v, v], dim=2)
-        out = attend(q, keys, vals, allowed).transpose(1, 2).reshape(B, T, self.nh * self.d)
-        return self.o_proj(out), k, v
+        if extra is not None:
+            out = attend(q, keys[0], keys[1], [*extra[0], k], [*extra[1], v])
+        elif keys is not None:
+            out = attend(q, torch.cat([keys[0], k], dim=2), torch.cat([keys[1], v], dim=2))
+        else:
+            out = attend(q, k, v)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.d)), k, v
 
 
 class MLP(nn.Module):
@@ -201,9 +344,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.mlp = MLP(s)
 
-    def forward(self, embeds, h, positions, past_k, past_v, allowed):
-        a = torch.cat([self.input_layernorm(embeds), self.hidden_norm(h)], dim=-1)
-        attn, k, v = self.self_attn(a, positions, past_k, past_v, allowed)
+    def embed_qkv(self, embeds, w: QKVWeights):
+        """[B, T, H] token embeddings -> [B, T, N]: their part of q/k/v. q/k/v read
+        cat[input_layernorm(embed), hidden_norm(h)], so W @ a = W_embed @ e + W_hidden @ h; TTT
+        step s at row t reads the embedding of row t+s+1, so one projection serves all steps."""
+        return F.linear(self.input_layernorm(embeds), w.embed)
+
+    def forward(self, e_qkv, h, positions, w: QKVWeights, keys=None, extra=None):
+        qkv = e_qkv + F.linear(self.hidden_norm(h), w.hidden)
+        attn, k, v = self.self_attn(qkv, positions, keys, extra)
         h = h + attn                                  # residual is the un-normed input hidden
         h = h + self.mlp(self.post_attention_layernorm(h))
         return h, k, v
@@ -252,12 +401,19 @@ class Eagle3Drafter(nn.Module):
         """aux [B, T, k*Ht] (the target's aux states, concatenated; stored in bf16) -> h [B, T, H]."""
         return self.fc(aux.to(self.fc.weight.dtype))
 
-    def layer(self, input_ids, h, positions, past_k=None, past_v=None, allowed=None):
-        """One drafter step over rows: input_ids [B, T], h [B, T, H], positions [B, T];
-        past_k/past_v [B, nkv, P, d] keys before this call's; allowed [B, 1, T, P+T] bool.
-        Returns (h_out [B, T, H] pre-norm, k, v [B, nkv, T, d] of this call)."""
-        embeds = self.embed_tokens(input_ids).to(h.dtype)
-        return self.midlayer(embeds, h, positions, past_k, past_v, allowed)
+    def qkv_weights(self) -> QKVWeights:
+        """The q/k/v weights in the compute dtype (autocast's when on), for embed_qkv and layer."""
+        return self.midlayer.self_attn.qkv_weights()
+
+    def embed_qkv(self, input_ids: torch.Tensor, w: QKVWeights) -> torch.Tensor:
+        """input_ids [B, T] -> [B, T, N]: the tokens' part of q/k/v (see DecoderLayer.embed_qkv)."""
+        return self.midlayer.embed_qkv(self.embed_tokens(input_ids), w)
+
+    def layer(self, e_qkv, h, positions, w: QKVWeights, keys=None, extra=None):
+        """One drafter step over rows: e_qkv [B, T, N] (embed_qkv of the rows' tokens), h [B, T, H],
+        positions [B, T]; keys, extra as Attention.forward. Returns (h_out [B, T, H] pre-norm,
+        k, v [B, nkv, T, d] of this call)."""
+        return self.midlayer(e_qkv, h, positions, w, keys, extra)
 
     def logits(self, h_out: torch.Tensor) -> torch.Tensor:
         """[.., H] pre-norm hidden -> [.., Vd] draft-vocab logits."""
@@ -267,13 +423,12 @@ class Eagle3Drafter(nn.Module):
     def forward(self, aux, input_ids, attention_mask=None):
         """Step 0 over whole sequences: row t reads (fc(aux_t), input_ids[t]) at position t and
         attends causally. The caller aligns ids (for drafting: input_ids[t] = x_{t+1}).
-        attention_mask [B, T] bool (right padding). Returns (logits [B, T, Vd], h_out [B, T, H])."""
+        attention_mask [B, T] (right padding) needs no use: a causal row never sees later rows,
+        so real rows never see padding. Returns (logits [B, T, Vd], h_out [B, T, H])."""
         B, T = input_ids.shape
-        real = (torch.ones(B, T, dtype=torch.bool, device=input_ids.device)
-                if attention_mask is None else attention_mask.bool())
         positions = torch.arange(T, device=input_ids.device).expand(B, T)
-        h_out, _, _ = self.layer(input_ids, self.project(aux), positions,
-                                 allowed=causal_mask(real)[:, None])
+        w = self.qkv_weights()
+        h_out, _, _ = self.layer(self.embed_qkv(input_ids, w), self.project(aux), positions, w)
         return self.logits(h_out), h_out
 
     def forward_step(self, input_ids, h, positions, cache: DraftKVCache):
@@ -281,13 +436,9 @@ class Eagle3Drafter(nn.Module):
         target rows, a previous h_out for draft rows) at positions [B, Tq]. The new rows see every
         cached row and, causally, each other; their keys/values are appended to `cache`.
         Returns (logits [B, Tq, Vd], h_out [B, Tq, H])."""
-        B, Tq = input_ids.shape
-        L = cache.length
-        i = torch.arange(Tq, device=input_ids.device)[:, None]
-        j = torch.arange(L + Tq, device=input_ids.device)[None, :]
-        allowed = (j < L) | (j - L <= i)                               # [Tq, L+Tq]
-        h_out, k, v = self.layer(input_ids, h, positions, cache.k, cache.v,
-                                 allowed.expand(B, 1, Tq, L + Tq))
+        w = self.qkv_weights()
+        keys = None if cache.k is None else (cache.k, cache.v)
+        h_out, k, v = self.layer(self.embed_qkv(input_ids, w), h, positions, w, keys)
         cache.append(k, v)
         return self.logits(h_out), h_out
 
@@ -302,11 +453,3 @@ class Eagle3Drafter(nn.Module):
         the DraftVocab."""
         return {k: v for k, v in self.state_dict().items() if not k.startswith("embed_tokens.")}
 
-
-def causal_mask(real: torch.Tensor) -> torch.Tensor:
-    """[B, T] bool real (right padding) -> [B, T, T] bool: row i sees real keys j <= i, and
-    always itself (so padded rows, whose outputs are never used, stay finite)."""
-    T = real.shape[1]
-    i = torch.arange(T, device=real.device)[:, None]
-    j = torch.arange(T, device=real.device)[None, :]
-    return (j <= i) & (real[:, None, :] | (j == i))

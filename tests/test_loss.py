@@ -240,3 +240,44 @@ def test_micro_batches_with_global_norm_add_up_to_the_whole_batch():
         whole.loss.item() - (total - out.loss.item()), rel=1e-3)
     for n in want:
         torch.testing.assert_close(got[n], want[n], rtol=1e-9, atol=1e-11, msg=n)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "math"])
+def test_attend_equals_dense_ttt_mask_attention(monkeypatch, backend):
+    """attend (flash causal over K_0 + each row's own keys, merged by log-sum-exp; its own backward)
+    == softmax attention over [K_0 | K_1 .. K_s] with the dense ttt_mask, values and gradients,
+    for the real rows of right-padded sequences; both the CPU flash kernel and the math backend."""
+    import eagle3.model as model
+    monkeypatch.setattr(model, "_flash_backend", lambda q: backend)
+    torch.manual_seed(4)
+    B, nh, nkv, T, d, s = 2, 4, 2, 7, 8, 3
+    real = torch.tensor([[True] * 7, [True] * 5 + [False] * 2])
+    q = torch.randn(B, nh, T, d, dtype=torch.float64, requires_grad=True)
+    ks = [torch.randn(B, nkv, T, d, dtype=torch.float64, requires_grad=True) for _ in range(s + 1)]
+    vs = [torch.randn(B, nkv, T, d, dtype=torch.float64, requires_grad=True) for _ in range(s + 1)]
+    got = model.attend(q, ks[0], vs[0], ks[1:], vs[1:])
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, torch.cat(ks, 2).repeat_interleave(2, 1), torch.cat(vs, 2).repeat_interleave(2, 1),
+        attn_mask=ttt_mask(real, s))
+    keep = real[:, None, :, None].double()                  # padded rows differ and are unused
+    up = torch.randn_like(got)
+    g_got = torch.autograd.grad((got * keep * up).sum(), [q, *ks, *vs])
+    g_want = torch.autograd.grad((want * keep * up).sum(), [q, *ks, *vs])
+    torch.testing.assert_close(got * keep, want * keep, rtol=1e-12, atol=1e-12)
+    for a, b in zip(g_got, g_want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+        assert a.abs().sum() > 0
+
+
+def test_soft_cross_entropy_equals_log_softmax_form():
+    from eagle3.loss import _SoftCrossEntropy
+    torch.manual_seed(5)
+    z = torch.randn(6, 11, dtype=torch.float64, requires_grad=True)
+    p = torch.randn(9, 11, dtype=torch.float64).softmax(-1)
+    rows = torch.tensor([0, 3, 3, 8, 1, 5])
+    g = torch.randn(6, dtype=torch.float64)
+    got = _SoftCrossEntropy.apply(z, p, rows)
+    want = -(p[rows] * torch.log_softmax(z, -1)).sum(-1)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(torch.autograd.grad((got * g).sum(), z)[0],
+                               torch.autograd.grad((want * g).sum(), z)[0], rtol=1e-12, atol=1e-12)

@@ -190,3 +190,25 @@ def test_target_embedding_is_copied_and_frozen():
     embed = torch.randn(50, 32)
     d = Eagle3Drafter(SHAPE, embed)
     assert torch.equal(d.embed_tokens.weight, embed) and not d.embed_tokens.weight.requires_grad
+
+
+@pytest.mark.parametrize("backend", ["cpu", "math"])
+def test_attend_with_a_cache_equals_masked_attention(monkeypatch, backend):
+    """Tq new rows after L cached ones (inference): every cached key plus the new rows causally;
+    values and gradients against SDPA with the explicit mask."""
+    import eagle3.model as model
+    monkeypatch.setattr(model, "_flash_backend", lambda q: backend)
+    torch.manual_seed(6)
+    B, nh, nkv, L, Tq, d = 2, 4, 1, 5, 3, 8
+    q = torch.randn(B, nh, Tq, d, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(B, nkv, L + Tq, d, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(B, nkv, L + Tq, d, dtype=torch.float64, requires_grad=True)
+    i, j = torch.arange(Tq)[:, None], torch.arange(L + Tq)[None, :]
+    got = model.attend(q, k, v)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), attn_mask=j <= L + i)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    up = torch.randn_like(got)
+    for a, b in zip(torch.autograd.grad((got * up).sum(), [q, k, v]),
+                    torch.autograd.grad((want * up).sum(), [q, k, v])):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
