@@ -26,7 +26,7 @@ from eagle3.engine_ids import check_aux_layers
 from eagle3.export import export_drafter
 from eagle3.data import is_heldout
 from eagle3.features import FeatureDataset, check_compatible, collate
-from eagle3.loss import step_counts, target_teacher, ttt_loss, unigram_correct
+from eagle3.loss import TTTOutput, step_counts, target_teacher, ttt_loss, unigram_correct
 from eagle3.model import Eagle3Drafter, drafter_shape
 from eagle3.plots import plot_runs
 from capture.run import capture_features, template_sha256
@@ -79,7 +79,8 @@ def main(cfg) -> None:
                      ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
             os.environ.setdefault(k, v)   # a plain `python train.py` is a world of one
         ds_plugin = DeepSpeedPlugin(zero_stage=c.dist.zero_stage, gradient_clipping=c.optim.grad_clip,
-                                    offload_optimizer_device="cpu" if c.dist.offload_optimizer else "none")
+                                    offload_optimizer_device="cpu" if c.dist.offload_optimizer else "none",
+                                    zero3_save_16bit_model=True)   # ZeRO-3: gather the weights for the export
     acc = Accelerator(cpu=not use_cuda, mixed_precision=mixed, deepspeed_plugin=ds_plugin)
     device, rank, world = acc.device, acc.process_index, acc.num_processes
     is_main = acc.is_main_process
@@ -155,6 +156,13 @@ def main(cfg) -> None:
     lm_head = lm_head.to(device, compute_dtype)
     vocab = vocab.to(device)
     model = Objective(drafter, vocab, c.train.ttt_steps, c.train.step_decay)
+    if ds_plugin is not None and c.dist.zero_stage == 3:
+        # The loss fuses q/k/v once per unroll, reading those weights outside their own module's
+        # forward: ZeRO-3 must gather them for the Objective's forward instead (they would be empty).
+        from deepspeed.runtime.zero.partition_parameters import register_external_parameter
+        attn = drafter.midlayer.self_attn
+        for p in (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight):
+            register_external_parameter(model, p)
     trainable = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=c.optim.lr, betas=tuple(c.optim.betas),
                                   weight_decay=c.optim.weight_decay)
@@ -203,7 +211,8 @@ def main(cfg) -> None:
 
     def run_loss(bt, teacher, norm):
         with acc.autocast():
-            return model(bt.input_ids, bt.loss_mask, bt.attention_mask, bt.aux, bt.final, lm_head, teacher, norm)
+            return TTTOutput(*model(bt.input_ids, bt.loss_mask, bt.attention_mask, bt.aux, bt.final, lm_head,
+                                    teacher, norm))
 
     # ---- the loop ----
     t0, tokens_seen, unigram = time.time(), 0, None
@@ -278,8 +287,10 @@ class Objective(torch.nn.Module):
         self.drafter, self.vocab, self.ttt_steps, self.decay = drafter, vocab, ttt_steps, decay
 
     def forward(self, input_ids, loss_mask, attention_mask, aux, final, lm_head, teacher=None, norm=None):
-        return ttt_loss(self.drafter, input_ids, loss_mask, attention_mask, aux, final, lm_head, self.vocab,
-                        ttt_steps=self.ttt_steps, decay=self.decay, teacher=teacher, norm=norm)
+        out = ttt_loss(self.drafter, input_ids, loss_mask, attention_mask, aux, final, lm_head, self.vocab,
+                       ttt_steps=self.ttt_steps, decay=self.decay, teacher=teacher, norm=norm)
+        # a plain tuple: ZeRO-3's backward hooks find tensors only in tuples, lists and dicts
+        return out.loss, out.per_step_loss, out.correct, out.count
 
 
 class StepStats:

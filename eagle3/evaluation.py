@@ -27,9 +27,8 @@ class Prompt:
 
 
 def mt_bench_file() -> Path:
-    """../shared/data/mt_bench_questions.jsonl next to the repository; EAGLE3_MT_BENCH overrides."""
-    return Path(os.environ.get("EAGLE3_MT_BENCH",
-                               PROJECT_ROOT.parent / "shared" / "data" / "mt_bench_questions.jsonl"))
+    """The 80 MT-Bench questions shipped in data/ (Apache-2.0, from FastChat); EAGLE3_MT_BENCH overrides."""
+    return Path(os.environ.get("EAGLE3_MT_BENCH", PROJECT_ROOT / "data" / "mt_bench_questions.jsonl"))
 
 
 def prompt_set_name(spec: str) -> str:

@@ -63,6 +63,7 @@ class FakeServer:
         self.misconfigure_gate = misconfigure_gate   # misconfigure only once this returns True
         self.refuse, self.short, self.misconfigure_after = set(refuse), set(short), misconfigure_after
         self.received, self.max_spool, self.lock = [], 0, threading.Lock()
+        self.outstanding = self.max_outstanding = 0      # requests received and not yet spooled
         self.model_lock = threading.Lock()
         fake = self
 
@@ -88,6 +89,8 @@ class FakeServer:
                 with fake.lock:
                     fake.received.append(rid)
                     n = len(fake.received)
+                    fake.outstanding += 1
+                    fake.max_outstanding = max(fake.max_outstanding, fake.outstanding)
                 self._reply({"text": "", "meta_info": {"id": rid, "prompt_tokens": len(ids)}})
                 threading.Timer(fake.delay, fake.write, (rid, ids, n)).start()
 
@@ -96,6 +99,13 @@ class FakeServer:
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 
     def write(self, rid, ids, n):
+        try:
+            self._write(rid, ids, n)
+        finally:
+            with self.lock:
+                self.outstanding -= 1
+
+    def _write(self, rid, ids, n):
         if self.misconfigure_after is not None and n > self.misconfigure_after:
             deadline = time.time() + 60          # under load the client may not have packed a shard yet
             while self.misconfigure_gate is not None and not self.misconfigure_gate() and time.time() < deadline:
@@ -189,13 +199,17 @@ def test_budget_pause_is_honoured(target, tmp_path):
         server.close()
     assert len(ds) == 16 and spool_entries(tmp_path / "spool") == []
     assert 0 < server.max_spool <= budget
-    # Without the budget, 8 requests land at once: the measurement can see a pause's effect.
-    server = FakeServer(target[0], tmp_path / "spool2", delay=0.05)
+    smallest = min(request_bytes(len(s.input_ids), 3, 64) for s in samples)
+    most_in_flight = int(budget // smallest)                  # the budget counts requests in flight too
+    assert server.max_outstanding <= most_in_flight < 8
+    # Without the budget, all 8 requests are in flight at once (the server holds each 0.5 s before
+    # spooling it): the in-flight measurement can see a pause's effect, whatever the timing.
+    server = FakeServer(target[0], tmp_path / "spool2", delay=0.5)
     try:
         run_client(target, samples, tmp_path / "sg2", tmp_path / "spool2", server, concurrency=8)
     finally:
         server.close()
-    assert server.max_spool > budget
+    assert server.max_outstanding > most_in_flight
 
 
 def test_resume_after_a_mid_run_stop(target, tmp_path):
