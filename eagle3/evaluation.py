@@ -400,6 +400,11 @@ def plot_tau(rows: Sequence[dict], out: Path, settings: dict) -> Path:
     ax.set_ylim(0, max(k + 1, max([r["tau"] or 0 for r in rows], default=1)) * 1.1)
     ax.set(title=f"Acceptance length tau ({settings.get('backend')}, {k} draft tokens, max {k + 1})",
            xlabel="prompt set", ylabel="tau: tokens per target verify step")
+    return _save(fig, ax, out)
+
+
+def _save(fig, ax, out: Path) -> Path:
+    import matplotlib.pyplot as plt
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
@@ -424,12 +429,7 @@ def plot_acceptance(rows: Sequence[dict], out: Path, settings: dict) -> Path:
     ax.set_ylim(0, 1.08)
     ax.set(title=f"Acceptance per draft position ({settings.get('backend')}): accepted / verify steps",
            xlabel="draft position in the chain", ylabel="acceptance rate")
-    ax.legend(fontsize=8)
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return Path(out)
+    return _save(fig, ax, out)
 
 
 def stats_to_json(stats: Sequence[DecodeStats]) -> List[dict]:
