@@ -24,7 +24,6 @@ import socket
 import sys
 import types
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -39,6 +38,7 @@ from safetensors.torch import load_file  # noqa: E402
 from capture.sglang_server import eval_server_cmd  # noqa: E402
 from eagle3.export import export_drafter  # noqa: E402
 from eagle3.model import DrafterShape, Eagle3Drafter  # noqa: E402
+from sglang_chain import layers_sglang_captures  # noqa: E402
 
 SHAPE = DrafterShape(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
                      head_dim=16, vocab_size=300, draft_vocab_size=50, target_hidden_size=48, num_aux=3)
@@ -181,14 +181,6 @@ def test_tiny_deepseek_pipeline_export_loads_into_sglang(sglang_world, tmp_path)
                                    DrafterShape.from_hf_config(cfg))
 
 
-def _capturing(cls, num_layers):
-    holder = type("Holder", (), {"set_eagle3_layers_to_capture": cls.set_eagle3_layers_to_capture})()
-    holder.pp_group = SimpleNamespace(is_last_rank=True)
-    holder.model = SimpleNamespace(layers_to_capture=[])
-    holder.config = SimpleNamespace(num_hidden_layers=num_layers)
-    return holder
-
-
 def _target_dir(tmp_path: Path, arch: str) -> Path:
     d = tmp_path / f"target_{arch}"
     d.mkdir()
@@ -214,14 +206,8 @@ def test_draft_config_ids_reach_layers_to_capture(tmp_path, target_arch, aux_lay
     """eval_server_cmd with our export -> SGLang resolves the draft's eagle_config ids -> the
     target class's own set_eagle3_layers_to_capture -> layers_to_capture == aux_layers."""
     from sglang.srt.arg_groups.model_override_base import resolved_view
-    from sglang.srt.configs.model_config import ModelConfig
-    from sglang.srt.model_executor.model_runner_components.attention_backend_setup import (
-        configure_aux_hidden_state_capture)
-    from sglang.srt.model_executor.model_runner_components.spec_aux_hidden_state import (
-        resolve_spec_aux_hidden_state_config)
     from sglang.srt.models.deepseek_v2 import DeepseekV2ForCausalLM
     from sglang.srt.models.llama import LlamaForCausalLM
-    from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
     from sglang.srt.server_args import prepare_server_args
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
@@ -232,20 +218,7 @@ def test_draft_config_ids_reach_layers_to_capture(tmp_path, target_arch, aux_lay
     sa = prepare_server_args(cmd[3:])
     sa.resolve_once()
     assert resolved_view(sa).speculative_draft_model_path == str(draft)
-    reset_context()
-    try:
-        publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=0))
-        cfg = resolve_spec_aux_hidden_state_config(
-            server_args=sa, model_config=ModelConfig.from_server_args(sa),
-            spec_algorithm=SpeculativeAlgorithm.EAGLE3, is_draft_worker=False)
-        cls = LlamaForCausalLM if target_arch == "llama" else DeepseekV2ForCausalLM
-        model = _capturing(cls, 61)
-        configure_aux_hidden_state_capture(
-            model=model, eagle_use_aux_hidden_state=cfg.eagle_use_aux_hidden_state,
-            eagle_aux_hidden_state_layer_ids=cfg.eagle_aux_hidden_state_layer_ids,
-            dflash_use_aux_hidden_state=cfg.dflash_use_aux_hidden_state,
-            dflash_target_layer_ids=cfg.dflash_target_layer_ids, is_dspark=cfg.is_dspark)
-    finally:
-        reset_context()
+    cls = LlamaForCausalLM if target_arch == "llama" else DeepseekV2ForCausalLM
+    cfg, model = layers_sglang_captures(sa, cls, SpeculativeAlgorithm.EAGLE3)
     assert cfg.eagle_use_aux_hidden_state and model.capture_aux_hidden_states
     assert model.model.layers_to_capture == aux_layers

@@ -10,9 +10,10 @@ project's index is SGLang's internal layers_to_capture meaning).
 from __future__ import annotations
 
 import sys
-from types import SimpleNamespace
 
 import pytest
+
+from sglang_chain import capturing_model, layers_sglang_captures
 
 pytest.importorskip("sglang.srt.server_args",
                     reason="SGLang is not installed; run with .venv-sglang/bin/python -m pytest tests/sglang")
@@ -30,23 +31,8 @@ def resolve(cmd):
     return sa, resolved_view(sa)
 
 
-def capturing_model(cls):
-    """An object carrying SGLang's own set_eagle3_layers_to_capture of `cls` and what it touches."""
-    holder = type("Holder", (), {"set_eagle3_layers_to_capture": cls.set_eagle3_layers_to_capture})()
-    holder.pp_group = SimpleNamespace(is_last_rank=True)
-    holder.model = SimpleNamespace(layers_to_capture=[])
-    holder.config = SimpleNamespace(num_hidden_layers=61)
-    return holder
-
-
 def test_capture_cmd_resolves_and_reaches_layers_to_capture(tiny_llama_dir):
-    from sglang.srt.configs.model_config import ModelConfig
-    from sglang.srt.model_executor.model_runner_components.attention_backend_setup import (
-        configure_aux_hidden_state_capture)
-    from sglang.srt.model_executor.model_runner_components.spec_aux_hidden_state import (
-        resolve_spec_aux_hidden_state_config)
     from sglang.srt.models.llama import LlamaForCausalLM
-    from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
     aux_layers = [2, 4, 5]
@@ -58,20 +44,7 @@ def test_capture_cmd_resolves_and_reaches_layers_to_capture(tiny_llama_dir):
     assert v.speculative_algorithm is None and v.speculative_draft_model_path is None  # no draft loads
     assert v.return_aux_hidden_state_layer_ids == [1, 3, 4]                           # Llama: i - 1
     assert v.disable_prefill_cuda_graph and v.disable_radix_cache and v.skip_server_warmup
-    reset_context()
-    try:
-        publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=0))
-        cfg = resolve_spec_aux_hidden_state_config(
-            server_args=sa, model_config=ModelConfig.from_server_args(sa),
-            spec_algorithm=SpeculativeAlgorithm.NONE, is_draft_worker=False)
-        model = capturing_model(LlamaForCausalLM)
-        configure_aux_hidden_state_capture(
-            model=model, eagle_use_aux_hidden_state=cfg.eagle_use_aux_hidden_state,
-            eagle_aux_hidden_state_layer_ids=cfg.eagle_aux_hidden_state_layer_ids,
-            dflash_use_aux_hidden_state=cfg.dflash_use_aux_hidden_state,
-            dflash_target_layer_ids=cfg.dflash_target_layer_ids, is_dspark=cfg.is_dspark)
-    finally:
-        reset_context()
+    _, model = layers_sglang_captures(sa, LlamaForCausalLM, SpeculativeAlgorithm.NONE)
     assert model.capture_aux_hidden_states and model.model.layers_to_capture == aux_layers
 
 
