@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -143,7 +142,7 @@ def run_sglang(e, target_dir, trust_remote_code, drafters, prompt_sets, tokenize
     def serve(draft, tag) -> Dict[str, List[ev.DecodeStats]]:
         if e.server_url:
             return decode_sglang(e.server_url.rstrip("/"), prompt_sets, tokenizer, stop, e)
-        port = _free_port()
+        port = srv.free_port()
         if draft is None:
             cmd = [sglang_python(), "-m", "sglang.launch_server", "--model-path", str(target_dir),
                    "--tp-size", str(e.tp_size), "--port", str(port)] + \
@@ -191,12 +190,6 @@ def _torch_dtype(name: str, device: str):
     if name == "auto":
         return torch.bfloat16 if device == "cuda" else torch.float32
     return getattr(torch, name)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _pkg_version(name: str) -> str:

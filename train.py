@@ -25,11 +25,11 @@ from eagle3 import checkpoint, config as config_schema
 from eagle3.engine_ids import check_aux_layers
 from eagle3.export import export_drafter
 from eagle3.data import is_heldout
-from eagle3.features import FeatureDataset, check_compatible, collate
+from eagle3.features import FeatureDataset, check_compatible, collate, template_sha256
 from eagle3.loss import TTTOutput, step_counts, target_teacher, ttt_loss, unigram_correct
 from eagle3.model import Eagle3Drafter, drafter_shape
 from eagle3.plots import plot_runs
-from capture.run import capture_features, template_sha256
+from capture.run import capture_features
 from eagle3.targets import default_aux_layers, load_head, load_tokenizer, resolve_target, target_info
 from eagle3.vocab import DraftVocab, build_vocab, count_tokens
 
@@ -113,7 +113,7 @@ def main(cfg) -> None:
         tok = load_tokenizer(target_dir, c.target.chat_template, c.target.trust_remote_code)
         check_compatible(ds.manifest, {"target": {"fingerprint": info.fingerprint}, "aux_layers": aux_layers,
                                        "hidden_size": info.hidden_size,
-                                       "tokenizer": {"chat_template_sha256": template_sha256(tok)}},
+                                       "tokenizer": {"chat_template_sha256": template_sha256(tok.chat_template)}},
                          where=str(features_dir))
         # the split is a function of the conversation id (eagle3.data.is_heldout), so it holds for any
         # dataset of the same conversations, whatever fraction the capture was run with

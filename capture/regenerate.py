@@ -27,6 +27,7 @@ import torch
 
 from eagle3.config import CaptureConfig, DataConfig, TargetConfig
 from eagle3.data import iter_conversations
+from eagle3.features import template_sha256
 from eagle3.targets import cache_root
 
 _CHUNK = 256            # conversations regenerated (and appended) together
@@ -241,7 +242,7 @@ def regenerate_conversations(conversations: Sequence[Tuple[str, list]], tok, gen
 def regen_cache_path(target_fingerprint: str, chat_template: Optional[str], data: DataConfig,
                      max_new_tokens: int) -> Path:
     key = json.dumps({"target": target_fingerprint,
-                      "template": hashlib.sha256((chat_template or "").encode()).hexdigest(),
+                      "template": template_sha256(chat_template),
                       "source": data.source, "path": data.path, "num_samples": data.num_samples,
                       "max_length": data.max_length, "max_new_tokens": max_new_tokens}, sort_keys=True)
     return cache_root() / "regen" / f"{hashlib.blake2b(key.encode(), digest_size=8).hexdigest()}.jsonl"

@@ -4,7 +4,6 @@ Takes the typed config parts (eagle3.config dataclasses), never the Hydra config
 """
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -22,10 +21,6 @@ def pick_device(name: str) -> str:
 def model_dtype(device: str) -> torch.dtype:
     """bf16 on GPU; fp32 on CPU, where bf16 matmuls are slow and features are rounded to bf16 on storage."""
     return torch.bfloat16 if device.startswith("cuda") else torch.float32
-
-
-def template_sha256(tokenizer) -> str:
-    return hashlib.sha256((tokenizer.chat_template or "").encode()).hexdigest()
 
 
 def load_samples(target_dir: Path, target: TargetConfig, data: DataConfig,

@@ -23,7 +23,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import sys
 import time
 import urllib.error
@@ -36,7 +35,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence
 import torch
 
 from capture.sglang_plugin import SGLANG_VERSION, safe_rid
-from capture.sglang_server import capture_server_cmd, capture_server_env, launch, log_tail, stop
+from capture.sglang_server import capture_server_cmd, capture_server_env, free_port, launch, log_tail, stop
 from eagle3.config import CaptureConfig
 from eagle3.features import MANIFEST, FeatureDataset, FeatureWriter, make_meta
 
@@ -119,12 +118,6 @@ def post_json(url: str, body: Dict[str, Any], timeout: float = REQUEST_TIMEOUT) 
             return json.loads(r.read() or b"{}")
     except urllib.error.HTTPError as e:
         raise RuntimeError(f"HTTP {e.code}: {e.read().decode('utf-8', 'replace')[:2000]}") from None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def sglang_python() -> str:

@@ -11,6 +11,7 @@ module needs no SGLang, so the capture client can run in an environment without 
 from __future__ import annotations
 
 import os
+import socket
 import signal
 import subprocess
 import sys
@@ -141,3 +142,10 @@ def _healthy(url: str) -> bool:
             return r.status == 200
     except (urllib.error.URLError, OSError, ValueError):
         return False
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now (for a server we launch)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

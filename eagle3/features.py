@@ -74,18 +74,22 @@ def plan_shards(lengths: Sequence[int], shard_tokens: int) -> List[List[int]]:
     return shards
 
 
+def template_sha256(chat_template: Optional[str]) -> str:
+    """How a manifest (and the regeneration cache) identifies a chat template."""
+    return hashlib.sha256((chat_template or "").encode()).hexdigest()
+
+
 def make_meta(*, target_name: str, target_fingerprint: str, arch: str, aux_layers: Sequence[int],
               hidden_size: int, tokenizer_name: str, chat_template: Optional[str], engine: str,
               engine_version: str, data: Dict[str, Any]) -> Dict[str, Any]:
     """What a capture records about where its features came from (the writer adds the rest)."""
-    template_hash = hashlib.sha256((chat_template or "").encode()).hexdigest()
     return {
         "target": {"name": target_name, "fingerprint": target_fingerprint, "arch": arch},
         "aux_layers": [int(i) for i in aux_layers],
         "aux_meaning": AUX_MEANING,
         "hidden_size": int(hidden_size),
         "num_aux": len(aux_layers),
-        "tokenizer": {"name": tokenizer_name, "chat_template_sha256": template_hash},
+        "tokenizer": {"name": tokenizer_name, "chat_template_sha256": template_sha256(chat_template)},
         "engine": {"name": engine, "version": engine_version},
         "data": dict(data),
     }

@@ -20,7 +20,6 @@ weight; the forward equivalence of our module with SGLang's is argued in eagle3/
 from __future__ import annotations
 
 import json
-import socket
 import sys
 import types
 from pathlib import Path
@@ -35,19 +34,13 @@ pytest.importorskip("sglang.srt.models.llama_eagle3",
 import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
-from capture.sglang_server import eval_server_cmd  # noqa: E402
+from capture.sglang_server import eval_server_cmd, free_port  # noqa: E402
 from eagle3.export import export_drafter  # noqa: E402
 from eagle3.model import DrafterShape, Eagle3Drafter  # noqa: E402
 from sglang_chain import layers_sglang_captures  # noqa: E402
 
 SHAPE = DrafterShape(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
                      head_dim=16, vocab_size=300, draft_vocab_size=50, target_hidden_size=48, num_aux=3)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +68,7 @@ def sglang_world(tmp_path_factory):
     publish(ServerArgs(model_path=str(d), tp_size=1, device="cpu"), role="scheduler",
             ranks=SpawnRanks(world_rank=0))
     init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                 distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
+                                 distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
     initialize_model_parallel(backend="gloo")
     yield
     # SGLang's destroy_model_parallel imports its HTTP launcher (uvicorn, not installed here): end
@@ -213,7 +206,7 @@ def test_draft_config_ids_reach_layers_to_capture(tmp_path, target_arch, aux_lay
 
     target = _target_dir(tmp_path, target_arch)
     draft = export(tmp_path, aux_layers, target_arch)
-    cmd = eval_server_cmd(str(target), str(draft), 1, 3, 1, 0, _free_port(),
+    cmd = eval_server_cmd(str(target), str(draft), 1, 3, 1, 0, free_port(),
                           ["--device", "cpu", "--skip-tokenizer-init"])
     sa = prepare_server_args(cmd[3:])
     sa.resolve_once()

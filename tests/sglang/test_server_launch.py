@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from capture.sglang_server import capture_server_env, launch, stop
+from capture.sglang_server import capture_server_env, free_port, launch, stop
 
 # A server that answers /health with 200 only after `delay` seconds, like SGLang while it loads.
 _SERVER = """
@@ -25,12 +25,6 @@ class H(http.server.BaseHTTPRequestHandler):
     def log_message(self, *a): pass
 http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_launch_waits_for_health_then_stop(tmp_path):
