@@ -1,16 +1,24 @@
 """Engine-ready drafter directories: <run_dir>/export/{sglang,vllm}/ (config.json + model.safetensors).
 
+    python -m eagle3.export reshard SRC DST [--max-mb 5]   # the same export as shards of <= 5 MB each
+
 Layout (DESIGN.md "Drafter export"): LlamaForCausalLMEagle3 with `fc`, `midlayer.*`, `norm`, `lm_head`
 over the draft vocab, `d2t [Vd] int64` (target_id - draft_id) and `t2d [V] bool`. The target's
 embedding is not exported: engines share the target's. The two directories differ only in
 `eagle_config.eagle_aux_hidden_state_layer_ids`, which each engine reads with its own offset
 (eagle3/engine_ids.py).
+
+A resharded export (for committing a drafter to git) holds the same tensors in Hugging Face's
+sharded layout: model-0000i-of-0000N.safetensors plus model.safetensors.index.json, which SGLang,
+vLLM and transformers read in place of model.safetensors.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import Dict, Sequence, Tuple
@@ -21,7 +29,9 @@ from safetensors.torch import load_file, save_file
 from eagle3.engine_ids import engine_aux_ids
 
 ENGINES = ("sglang", "vllm")
+INDEX_NAME = "model.safetensors.index.json"
 _NOT_EXPORTED = ("embed_tokens.",)   # shared with the target inside the engine
+_METADATA = {"format": "pt"}
 
 
 def drafter_config(shape, aux_layers: Sequence[int], engine: str, target_arch: str,
@@ -68,7 +78,7 @@ def export_drafter(out_root: Path, model_state: Dict[str, torch.Tensor], shape, 
         final = Path(out_root) / engine
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{engine}-", dir=final.parent))
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_file(tensors, str(tmp / "model.safetensors"), metadata=_METADATA)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         if final.exists():
             shutil.rmtree(final)
@@ -78,14 +88,86 @@ def export_drafter(out_root: Path, model_state: Dict[str, torch.Tensor], shape, 
 
 
 def load_export(export_dir: Path) -> Tuple[Dict[str, torch.Tensor], dict]:
-    """(tensors, config) of an export directory, with a clear error when it is not one."""
+    """(tensors, config) of an export directory, single-file or sharded, with a clear error when it
+    is not one. An index wins over a model.safetensors beside it, as it does in the engines."""
     export_dir = Path(export_dir)
-    cfg_path, st_path = export_dir / "config.json", export_dir / "model.safetensors"
-    for p in (cfg_path, st_path):
-        if not p.exists():
-            raise FileNotFoundError(f"{export_dir} is not a drafter export: {p.name} is missing "
-                                    "(pass an export dir such as <run_dir>/export/vllm, or a run dir)")
-    return load_file(str(st_path)), json.loads(cfg_path.read_text())
+    cfg_path, index_path, st_path = (export_dir / n for n in ("config.json", INDEX_NAME, "model.safetensors"))
+    hint = "(pass an export dir such as <run_dir>/export/vllm, or a run dir)"
+    if not cfg_path.exists():
+        raise FileNotFoundError(f"{export_dir} is not a drafter export: config.json is missing {hint}")
+    cfg = json.loads(cfg_path.read_text())
+    if index_path.exists():
+        return _load_shards(export_dir, json.loads(index_path.read_text())["weight_map"]), cfg
+    if st_path.exists():
+        return load_file(str(st_path)), cfg
+    raise FileNotFoundError(f"{export_dir} is not a drafter export: model.safetensors is missing "
+                            f"(and there is no {INDEX_NAME} either) {hint}")
+
+
+def _load_shards(export_dir: Path, weight_map: Dict[str, str]) -> Dict[str, torch.Tensor]:
+    tensors = {}
+    for name in sorted(set(weight_map.values())):
+        if not (export_dir / name).exists():
+            raise FileNotFoundError(f"{export_dir}: {name}, listed in {INDEX_NAME}, is missing")
+        tensors.update(load_file(str(export_dir / name)))
+    if set(tensors) != set(weight_map):
+        raise ValueError(f"{export_dir}: the shards' tensors and {INDEX_NAME} disagree on "
+                         f"{sorted(set(tensors) ^ set(weight_map))}")
+    return tensors
+
+
+def reshard_export(src: Path, dst: Path, max_shard_bytes: int = 5_000_000) -> list[Path]:
+    """Write the export at src (either layout) to dst as shards of at most max_shard_bytes on disk.
+
+    dst/ gets config.json (a byte copy), model-0000i-of-0000N.safetensors and INDEX_NAME
+    ({"metadata": {"total_size": tensor bytes}, "weight_map": {tensor: file}}), atomically like
+    export_drafter. Returns the files written: shards, index, config.
+    """
+    src, dst = Path(src), Path(dst)
+    tensors, _ = load_export(src)
+    shards = _pack(tensors, max_shard_bytes)
+    if dst.exists() and not (dst / "config.json").exists():
+        raise FileExistsError(f"{dst} exists and is not a drafter export; refusing to replace it")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}-", dir=dst.parent))
+    files, weight_map = [], {}
+    for i, names in enumerate(shards, 1):
+        files.append(f"model-{i:05d}-of-{len(shards):05d}.safetensors")
+        save_file({n: tensors[n] for n in names}, str(tmp / files[-1]), metadata=_METADATA)
+        assert (tmp / files[-1]).stat().st_size <= max_shard_bytes, f"{files[-1]}: _pack's bound undershot"
+        weight_map.update(dict.fromkeys(names, files[-1]))
+    index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map}
+    (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    shutil.copyfile(src / "config.json", tmp / "config.json")
+    if dst.exists():
+        shutil.rmtree(dst)
+    os.replace(tmp, dst)
+    return [dst / f for f in files + [INDEX_NAME, "config.json"]]
+
+
+def _pack(tensors: Dict[str, torch.Tensor], max_shard_bytes: int) -> list[list[str]]:
+    """Tensor names per shard: greedy in name order, each shard's file size bounded from above.
+
+    A safetensors file is an 8-byte length, a JSON header padded with up to 7 spaces, then the data.
+    Each tensor's header entry is sized with an 8-character dtype and offsets as wide as the limit
+    (no offset inside a shard can be larger), so the bound never falls short of the real file.
+    """
+    fixed = 8 + 7 + len(json.dumps({"__metadata__": _METADATA}, separators=(",", ":")))
+    shards, size = [], 0
+    for name in sorted(tensors):
+        t = tensors[name]
+        entry = {name: {"dtype": "X" * 8, "shape": list(t.shape), "data_offsets": [max_shard_bytes] * 2}}
+        cost = len(json.dumps(entry, separators=(",", ":"))) - 2 + 1 + t.nbytes    # minus braces, plus a comma
+        if fixed + cost > max_shard_bytes:
+            raise ValueError(f"tensor {name} ({t.nbytes:,} bytes, {fixed + cost:,} as a safetensors file) does "
+                             f"not fit in a shard of {max_shard_bytes:,} bytes; safetensors cannot split a "
+                             "tensor across files: raise the limit")
+        if not shards or size + cost > max_shard_bytes:
+            shards.append([])
+            size = fixed
+        shards[-1].append(name)
+        size += cost
+    return shards
 
 
 def find_export(path: Path, engine: str) -> Path:
@@ -98,3 +180,24 @@ def find_export(path: Path, engine: str) -> Path:
         return candidate
     raise FileNotFoundError(f"{path}: neither an export dir (config.json) nor a run dir with "
                             f"export/{engine}/config.json; train first or pass the export directory")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="Drafter export tools.")
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("reshard", help="rewrite an export as safetensors shards of at most --max-mb each")
+    r.add_argument("src", type=Path, help="export dir (config.json + model.safetensors, or already sharded)")
+    r.add_argument("dst", type=Path, help="sharded export dir to write (replaced if it is an export)")
+    r.add_argument("--max-mb", type=float, default=5.0,
+                   help="largest shard file in MB (10^6 bytes), safetensors header included")
+    args = p.parse_args(argv)
+    try:
+        written = reshard_export(args.src, args.dst, int(args.max_mb * 1_000_000))
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
+        sys.exit(f"error: {e}")
+    for path in written:
+        print(f"{path}  {path.stat().st_size:,} bytes")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""Sharded drafter exports (eagle3.export.reshard_export): small files for git, same tensors.
+
+    .venv/bin/python -m pytest tests/test_export_shards.py -q
+
+Independent truth: the source export's model.safetensors, read with safetensors itself, and the
+shard files read one by one through the index's weight_map (not through load_export). SGLang's own
+weight-file discovery of a sharded dir is checked in tests/sglang/test_loader_sharded.py.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eagle3.export import INDEX_NAME, export_drafter, load_export, main, reshard_export
+from eagle3.model import DrafterShape, Eagle3Drafter
+
+# About 100 kB of bf16 weights; fc.weight (64 x 144 bf16, 18,432 bytes) is the largest tensor.
+SHAPE = DrafterShape(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=16, vocab_size=300, draft_vocab_size=50, target_hidden_size=48, num_aux=3)
+LIMIT = 20_000
+
+
+@pytest.fixture
+def source(tmp_path) -> Path:
+    torch.manual_seed(0)
+    model = Eagle3Drafter(SHAPE)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_()
+    d2t = torch.randint(0, 200, (SHAPE.draft_vocab_size,))
+    t2d = torch.zeros(SHAPE.vocab_size, dtype=torch.bool)
+    t2d[d2t + torch.arange(SHAPE.draft_vocab_size)] = True
+    return export_drafter(tmp_path / "export", model.exportable_state_dict(), SHAPE, d2t, t2d, [2, 4, 5],
+                          "llama", engines=["vllm"])["vllm"]
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.flatten().view(torch.uint8),
+                                                                     b.flatten().view(torch.uint8))
+
+
+def read_shards(export_dir: Path) -> dict:
+    weight_map = json.loads((export_dir / INDEX_NAME).read_text())["weight_map"]
+    return {name: load_file(str(export_dir / file))[name] for name, file in weight_map.items()}
+
+
+def test_reshard_keeps_every_tensor_and_respects_the_limit(source, tmp_path):
+    dst = tmp_path / "sharded"
+    written = reshard_export(source, dst, max_shard_bytes=LIMIT)
+    ours = load_file(str(source / "model.safetensors"))
+    index = json.loads((dst / INDEX_NAME).read_text())
+
+    shards = sorted(dst.glob("*.safetensors"))
+    assert len(shards) >= 3
+    assert [p.name for p in shards] == [f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+                                        for i in range(1, len(shards) + 1)]
+    assert sorted(p.name for p in dst.iterdir()) == sorted([p.name for p in shards] + [INDEX_NAME, "config.json"])
+    assert written == shards + [dst / INDEX_NAME, dst / "config.json"]
+    assert all(p.stat().st_size <= LIMIT for p in shards), {p.name: p.stat().st_size for p in shards}
+
+    assert set(index["weight_map"]) == set(ours)
+    assert set(index["weight_map"].values()) == {p.name for p in shards}
+    assert index["metadata"]["total_size"] == sum(t.nbytes for t in ours.values())
+    theirs = read_shards(dst)
+    assert all(same_bits(theirs[name], ours[name]) for name in ours)
+    assert (dst / "config.json").read_bytes() == (source / "config.json").read_bytes()
+
+    # load_export reads both layouts the same way.
+    tensors, cfg = load_export(dst)
+    assert set(tensors) == set(ours) and all(same_bits(tensors[n], ours[n]) for n in ours)
+    assert cfg == json.loads((source / "config.json").read_text())
+
+
+def test_reshard_of_a_sharded_export_and_in_place(source, tmp_path):
+    ours = load_file(str(source / "model.safetensors"))
+    dst = tmp_path / "sharded"
+    reshard_export(source, dst, max_shard_bytes=LIMIT)
+    reshard_export(dst, dst, max_shard_bytes=4 * LIMIT)          # fewer, larger shards, same dir
+    assert 1 < len(list(dst.glob("*.safetensors"))) < 3
+    assert not list(tmp_path.glob(".sharded-*"))                  # the temp dir was renamed, not left
+    theirs = read_shards(dst)
+    assert set(theirs) == set(ours) and all(same_bits(theirs[n], ours[n]) for n in ours)
+
+
+def test_a_tensor_larger_than_the_limit_is_named(source, tmp_path):
+    with pytest.raises(ValueError, match=r"fc\.weight \(18,432 bytes"):
+        reshard_export(source, tmp_path / "sharded", max_shard_bytes=10_000)
+    assert not (tmp_path / "sharded").exists()
+
+
+def test_load_export_names_what_is_missing(source, tmp_path):
+    (source / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="model.safetensors is missing"):
+        load_export(source)
+    with pytest.raises(FileNotFoundError, match="config.json is missing"):
+        load_export(tmp_path)
+
+
+def test_cli_prints_the_files_and_refuses_a_non_export_destination(source, tmp_path, capsys):
+    main(["reshard", str(source), str(tmp_path / "sharded"), "--max-mb", str(LIMIT / 1e6)])
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == len(list((tmp_path / "sharded").iterdir()))
+    path, size, _ = lines[0].split()
+    assert Path(path).parent == tmp_path / "sharded" and int(size.replace(",", "")) == Path(path).stat().st_size
+    with pytest.raises(SystemExit, match="is not a drafter export; refusing"):
+        main(["reshard", str(source), str(tmp_path)])
