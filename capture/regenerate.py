@@ -26,11 +26,10 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from eagle3.config import CaptureConfig, DataConfig, TargetConfig
-from eagle3.data import iter_conversations
+from eagle3.data import BadRecord, iter_conversations, select_turns
 from eagle3.features import template_sha256
 from eagle3.targets import cache_root
 
-_CHUNK = 256            # conversations regenerated (and appended) together
 _MARKER = "EAGLE3_REGEN_MARKER"
 
 
@@ -109,11 +108,32 @@ def cut_at_stop(ids: Sequence[int], stop_ids: Sequence[int]) -> Tuple[List[int],
     return list(ids), False
 
 
-def hf_generate(model, stop_ids: Sequence[int], max_new_tokens: int, batch_size: int = 16) -> Generate:
-    """Greedy transformers generate in batches of similar length, left padded."""
-    from transformers import GenerationConfig
+def hf_generate(model, stop_ids: Sequence[int], max_new_tokens: int, batch_size: int = 16,
+                memory_fraction: float = 0.5) -> Generate:
+    """Greedy answers in batches of similar length, left padded.
+
+    Llama targets use capture/fastgen.py (static cache, CUDA graph on GPU; on CUDA a batch holds up
+    to batch_size prompts, fewer when their cache would exceed memory_fraction of free memory);
+    other targets use transformers' generate in batches of batch_size."""
+    from capture import fastgen
 
     device = next(model.parameters()).device
+    if fastgen.supports(model):
+        dec = fastgen.StaticGreedy(model, max_new_tokens, pad_id=int(stop_ids[0]))
+
+        def run_fast(prompts: List[List[int]]) -> List[Tuple[List[int], bool]]:
+            out: List[Optional[Tuple[List[int], bool]]] = [None] * len(prompts)
+            budget = (int(torch.cuda.mem_get_info(device)[0] * memory_fraction) if device.type == "cuda"
+                      else 1 << 62)
+            for idx in fastgen.batches_by_memory([len(p) for p in prompts], max_new_tokens, batch_size,
+                                                 dec.cache_bytes_per_token(), budget):
+                for i, ids in zip(idx, dec.generate([prompts[i] for i in idx], stop_ids=stop_ids)):
+                    out[i] = cut_at_stop(ids, stop_ids)
+            return out
+        return run_fast
+
+    from transformers import GenerationConfig
+
     gen = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=list(stop_ids),
                            pad_token_id=int(stop_ids[0]))
 
@@ -195,11 +215,13 @@ def done_ids(path: Path) -> set:
 
 
 def regenerate_conversations(conversations: Sequence[Tuple[str, list]], tok, generate: Generate,
-                             out_path: Path, max_prompt_tokens: int, progress: bool = True) -> Path:
+                             out_path: Path, max_prompt_tokens: int, progress: bool = True,
+                             chunk: int = 256) -> Path:
     """Answer every conversation's user turns with `generate`; append records to out_path (JSONL).
 
     conversations: (id, messages) pairs in order; ids already in out_path are skipped, so an
     interrupted run resumes. Records: {"id", "messages", "regen": {"new_tokens", "finished"}}.
+    `chunk` conversations are answered together, turn by turn, and appended when all are done.
     """
     from tqdm import tqdm
 
@@ -208,9 +230,9 @@ def regenerate_conversations(conversations: Sequence[Tuple[str, list]], tok, gen
     have = done_ids(out_path)
     todo = [(cid, msgs) for cid, msgs in conversations if cid not in have]
     bar = tqdm(total=len(todo), unit="conv", desc="regenerate", disable=not progress)
-    for c in range(0, len(todo), _CHUNK):
+    for c in range(0, len(todo), chunk):
         convs = [_Conv(cid, [], [dict(role=m["role"], content=m["content"]) for m in msgs])
-                 for cid, msgs in todo[c:c + _CHUNK]]
+                 for cid, msgs in todo[c:c + chunk]]
         active = [v for v in convs if v.next_prompt()]
         while active:
             prompts = [prompt_ids(tok, v.done) for v in active]
@@ -244,19 +266,84 @@ def regen_cache_path(target_fingerprint: str, chat_template: Optional[str], data
     key = json.dumps({"target": target_fingerprint,
                       "template": template_sha256(chat_template),
                       "source": data.source, "path": data.path, "num_samples": data.num_samples,
-                      "max_length": data.max_length, "max_new_tokens": max_new_tokens}, sort_keys=True)
+                      "max_length": data.max_length, "max_new_tokens": max_new_tokens,
+                      **({"turns": data.turns, "max_prompt_chars": data.max_prompt_chars}
+                         if data.turns or data.max_prompt_chars else {})}, sort_keys=True)
     return cache_root() / "regen" / f"{hashlib.blake2b(key.encode(), digest_size=8).hexdigest()}.jsonl"
 
 
 def source_conversations(data: DataConfig) -> List[Tuple[str, list]]:
-    """The first data.num_samples usable conversations of the source (all when 0), in file order."""
+    """The first data.num_samples usable conversations of the source (all when 0), in file order,
+    cut to data.turns user turns and skipped when the first is data.max_prompt_chars long."""
     out = []
     for cid, messages in iter_conversations(data.source, data.path):
+        try:
+            messages = select_turns(messages, data.turns, data.max_prompt_chars)
+        except BadRecord:
+            continue
         if is_usable(messages):
             out.append((cid, messages))
             if data.num_samples and len(out) >= data.num_samples:
                 break
     return out
+
+
+def _regenerate_hf(device: str, target_dir: Path, target: TargetConfig, capture: CaptureConfig,
+                   convs: Sequence[Tuple[str, list]], path: Path, max_length: int, progress: bool) -> None:
+    from capture.run import model_dtype
+    from eagle3.targets import load_target_model, load_tokenizer
+
+    tok = load_tokenizer(target_dir, target.chat_template, target.trust_remote_code)
+    model = load_target_model(target_dir, model_dtype(device), device, target.trust_remote_code)
+    gen = hf_generate(model, end_of_turn_ids(tok), capture.regen_max_new_tokens, capture.regen_batch_size)
+    regenerate_conversations(convs, tok, gen, path, max_length, progress=progress,
+                             chunk=max(256, 2 * capture.regen_batch_size))
+
+
+def _worker(rank: int, workers: int, device: str, target_dir: Path, target: TargetConfig,
+            capture: CaptureConfig, convs: Sequence[Tuple[str, list]], part: Path, max_length: int) -> None:
+    if device.startswith("cuda"):
+        device = f"cuda:{rank}"
+        torch.cuda.set_device(rank)
+    _regenerate_hf(device, target_dir, target, capture, convs[rank::workers], part, max_length,
+                   progress=rank == 0)
+
+
+def _regenerate_in_workers(workers: int, device: str, target_dir: Path, target: TargetConfig,
+                           data: DataConfig, capture: CaptureConfig, missing: Sequence[Tuple[str, list]],
+                           path: Path) -> Path:
+    """Worker r (on GPU r) answers every workers-th missing conversation into its own part file,
+    resumable on its own; the parts are then appended to the cache in conversation order and removed."""
+    import torch.multiprocessing as mp
+
+    parts = [path.with_name(f"{path.stem}.part{r}of{workers}.jsonl") for r in range(workers)]
+    print(f"[regenerate] {len(missing)} conversations in {workers} workers -> {', '.join(p.name for p in parts)}")
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_worker, args=(r, workers, device, target_dir, target, capture, list(missing),
+                                               parts[r], data.max_length)) for r in range(workers)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    failed = [str(parts[r]) for r, p in enumerate(procs) if p.exitcode != 0]
+    if failed:
+        raise SystemExit(f"error: regeneration failed in {len(failed)} worker(s); their finished "
+                         f"conversations are kept in {', '.join(failed)} and a rerun resumes them")
+    records = {}
+    for part in parts:
+        done_ids(part)                               # cuts a torn last line
+        with open(part, encoding="utf-8") as f:
+            for line in f:
+                records[json.loads(line)["id"]] = line
+    with open(path, "a", encoding="utf-8") as f:
+        for cid, _ in missing:
+            if cid in records:
+                f.write(records[cid])
+        f.flush()
+        os.fsync(f.fileno())
+    for part in parts:
+        part.unlink()
+    return path
 
 
 def regenerated_data(target_dir: Path, target: TargetConfig, data: DataConfig, capture: CaptureConfig,
@@ -276,12 +363,14 @@ def regenerated_data(target_dir: Path, target: TargetConfig, data: DataConfig, c
     stop_ids = end_of_turn_ids(tok)
     n = capture.regen_max_new_tokens
     if capture.backend == "hf":
-        from capture.run import model_dtype, pick_device
-        from eagle3.targets import load_target_model
+        from capture.run import pick_device
 
         device = pick_device(capture.device)
-        model = load_target_model(target_dir, model_dtype(device), device, target.trust_remote_code)
-        return regenerate_conversations(convs, tok, hf_generate(model, stop_ids, n), path, data.max_length)
+        workers = capture.regen_workers or (torch.cuda.device_count() if device.startswith("cuda") else 1)
+        if workers > 1:
+            return _regenerate_in_workers(workers, device, target_dir, target, data, capture, missing, path)
+        _regenerate_hf(device, target_dir, target, capture, convs, path, data.max_length, progress=True)
+        return path
     if capture.backend != "sglang":
         raise SystemExit(f"error: capture.backend={capture.backend!r}: expected 'hf' or 'sglang'")
     if capture.server_url:

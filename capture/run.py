@@ -36,7 +36,8 @@ def load_samples(target_dir: Path, target: TargetConfig, data: DataConfig,
         source, path = "jsonl", str(regenerated_data(target_dir, target, data, capture, tok,
                                                      target_info(target_dir, target.name)))
     train, held, report = build_samples(tok, source, path, data.num_samples, data.max_length,
-                                        data.heldout_fraction, data.min_loss_tokens)
+                                        data.heldout_fraction, data.min_loss_tokens, data.turns,
+                                        data.max_prompt_chars)
     print(f"[data] {report.summary()}")
     if not train:
         raise SystemExit(f"error: no usable training conversations from data.source={data.source} "
@@ -50,6 +51,7 @@ def capture_features(target_dir: Path, aux_layers: Sequence[int], target: Target
     tok, train, held = load_samples(target_dir, target, data, capture)
     data_meta = {"source": data.source, "path": data.path, "num_samples": data.num_samples,
                  "max_length": data.max_length, "heldout_fraction": data.heldout_fraction,
+                 "turns": data.turns, "max_prompt_chars": data.max_prompt_chars,
                  "heldout_ids": [s.id for s in held]}
     if capture.regenerate:   # a different dataset: a finished capture without it must not be reused
         data_meta["regenerated"] = {"engine": capture.backend, "max_new_tokens": capture.regen_max_new_tokens}

@@ -40,6 +40,8 @@ class DataConfig:
     max_length: int = 1024                    # tokens per sample after rendering (truncated)
     heldout_fraction: float = 0.02            # deterministic split by conversation id
     min_loss_tokens: int = 1                  # fewer assistant tokens than this: record is "nothing to train on"
+    turns: int = 0                            # user turns kept per conversation, with their answers (0 = all)
+    max_prompt_chars: int = 0                 # skip conversations whose first user turn is this long (0 = no limit)
     features_dir: str = ""                    # the feature dataset (offline training reads it, capture writes it)
 
 
@@ -102,6 +104,8 @@ class CaptureConfig:
     device: str = "auto"
     regenerate: bool = False                  # answer the prompts with the target first (on-policy data)
     regen_max_new_tokens: int = 256
+    regen_batch_size: int = 16                # prompts per batch (GPU: thousands; capped by free memory)
+    regen_workers: int = 0                    # hf: processes answering in parallel, one per GPU (0 = one per visible GPU)
     # sglang backend
     server_url: str = ""                      # use a running capture server instead of launching one
     tp_size: int = 1

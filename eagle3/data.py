@@ -286,16 +286,35 @@ def is_heldout(conversation_id: str, fraction: float) -> bool:
     return h / 2.0 ** 64 < fraction
 
 
+def select_turns(messages, turns: int = 0, max_prompt_chars: int = 0):
+    """The part of a conversation a recipe uses: up to its first `turns` user turns (0 = all) with
+    the answers to them, or BadRecord when its first user turn has max_prompt_chars characters or
+    more (0 = no limit). Records that are not lists of turns pass through for render to judge.
+
+    SpecForge's SmolLM2 recipe (ENGINES.md) is turns=1, max_prompt_chars=1500: "the first
+    ShareGPT first turns under 1,500 characters"."""
+    if not isinstance(messages, list) or not (turns or max_prompt_chars):
+        return messages
+    users = [i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"]
+    if max_prompt_chars and users and len(str(messages[users[0]].get("content"))) >= max_prompt_chars:
+        raise BadRecord("first user turn too long")
+    if turns and len(users) > turns:
+        return messages[:users[turns]]
+    return messages
+
+
 def build_samples(tokenizer, source: str, path: str, num_samples: int, max_length: int,
-                  heldout_fraction: float, min_loss_tokens: int = 1
-                  ) -> tuple[list[Sample], list[Sample], DataReport]:
+                  heldout_fraction: float, min_loss_tokens: int = 1, turns: int = 0,
+                  max_prompt_chars: int = 0) -> tuple[list[Sample], list[Sample], DataReport]:
     """(train, heldout, report). Conversations are taken in file order until num_samples good
-    ones (train + heldout) are kept; 0 = all. Bad records are counted by reason in the report."""
+    ones (train + heldout) are kept; 0 = all. `turns` and `max_prompt_chars` select as
+    select_turns does. Bad records are counted by reason in the report."""
     report = DataReport()
     train, heldout = [], []
     for cid, messages in iter_conversations(source, path, report):
         report.read += 1
         try:
+            messages = select_turns(messages, turns, max_prompt_chars)
             ids, mask = render(tokenizer, messages, max_length)
             if sum(mask) < min_loss_tokens:
                 raise BadRecord("nothing to train on")

@@ -135,3 +135,107 @@ def test_load_samples_reads_the_regenerated_conversations(tok, tmp_path, monkeyp
     for s in train:
         text = tok2.decode(s.input_ids)
         assert "Blue." not in text and recs[s.id]["messages"][-1]["content"] in text
+
+
+def test_two_workers_write_the_same_cache_as_one(tok, tmp_path, monkeypatch):
+    """regen_workers=2 (two CPU processes here, two GPUs on a GPU machine): parts merged in
+    conversation order, equal to the single-process cache, and removed afterwards."""
+    from eagle3.targets import target_info
+
+    src = tmp_path / "convs.jsonl"
+    src.write_text("".join(json.dumps({"id": cid, "messages": m}) + "\n" for cid, m in CONVS))
+    rc = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "max_position_embeddings": 1024}
+    target = TargetConfig(name="tiny_regen", source="random", arch="llama", random_config=rc)
+    target_dir = resolve_target(target.source, "", target.name, target.arch, rc, 0)
+    data = DataConfig(source="jsonl", path=str(src), max_length=256)
+    caches = []
+    for workers in (1, 2):
+        monkeypatch.setattr(R, "cache_root", lambda w=workers: tmp_path / f"cache{w}")
+        cap = CaptureConfig(backend="hf", regenerate=True, regen_max_new_tokens=NEW, device="cpu",
+                            regen_workers=workers)
+        caches.append(R.regenerated_data(target_dir, target, data, cap, tok, target_info(target_dir)))
+    assert caches[0].read_text() == caches[1].read_text()
+    assert [r["id"] for r in read(caches[1])] == ["a", "b", "c"]
+    assert sorted(p.name for p in caches[1].parent.iterdir()) == [caches[1].name]
+
+
+def test_first_turns_under_a_length_select_the_same_conversations_for_regeneration_and_training(
+        tok, monkeypatch):
+    """data.turns=1, data.max_prompt_chars=50: the regeneration's prompts and build_samples' samples
+    are the same conversations, each cut before its second user message."""
+    convs = CONVS + [("long", [{"role": "user", "content": "x" * 50}, {"role": "assistant", "content": "ok"}]),
+                     ("e", [{"role": "user", "content": "y" * 49}, {"role": "assistant", "content": "fine"}])]
+    monkeypatch.setattr(R, "iter_conversations", lambda source, path: iter(convs))
+    data = DataConfig(source="jsonl", turns=1, max_prompt_chars=50)
+    picked = R.source_conversations(data)
+    assert [cid for cid, _ in picked] == ["a", "b", "c", "e"]
+    assert [m["content"] for m in dict(picked)["a"]] == ["Name a colour.", "Blue."]
+    assert [m["content"] for m in dict(picked)["c"]] == ["I speak first.", "Why?"]
+    assert R.source_conversations(DataConfig(source="jsonl", turns=1, max_prompt_chars=50, num_samples=2)) \
+        == picked[:2]
+
+
+def test_build_samples_applies_the_same_selection(tok, tmp_path):
+    convs = CONVS + [("long", [{"role": "user", "content": "x" * 50}, {"role": "assistant", "content": "ok"}])]
+    src = tmp_path / "convs.jsonl"
+    src.write_text("".join(json.dumps({"id": cid, "messages": m}) + "\n" for cid, m in convs))
+    train, _, report = build_samples(tok, "jsonl", str(src), 0, 256, 0.0, turns=1, max_prompt_chars=50)
+    # "c" keeps [assistant, "Why?"]: no answer to its first user message, so nothing to train on
+    assert [s.id for s in train] == ["a", "b"]
+    assert report.bad == {"first user turn too long": 1, "nothing to train on": 1}
+    text = tok.decode(train[0].input_ids)
+    assert "Blue." in text and "Another one?" not in text
+    full, _, _ = build_samples(tok, "jsonl", str(src), 0, 256, 0.0)
+    assert len(train[0].input_ids) < len(full[0].input_ids)
+
+
+def test_static_greedy_equals_generate_on_a_padded_batch(tok, model):
+    """capture/fastgen.py against transformers' generate: prompts of different lengths in one left
+    padded batch, 40 new tokens each (long enough for the cache slots and positions to matter)."""
+    from capture import fastgen
+
+    torch.manual_seed(1)
+    prompts = [torch.randint(3, len(tok), (n,)).tolist() for n in (3, 17, 9, 30)]
+    dec = fastgen.StaticGreedy(model, 40, pad_id=0)
+    got = dec.generate(prompts, prefill_tokens=40)            # two prefill row groups
+    for p, ids in zip(prompts, got):
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=40, min_new_tokens=40,
+                                 pad_token_id=0)
+        assert ids == ref[0, len(p):].tolist()
+
+
+def test_static_greedy_stops_early_only_when_every_row_has_stopped(tok, model):
+    from capture import fastgen
+
+    prompts = [[5, 6, 7], [8, 9]]
+    full = fastgen.StaticGreedy(model, 64, pad_id=0).generate(prompts)
+    only_first = fastgen.StaticGreedy(model, 64, pad_id=0).generate(prompts, stop_ids=[full[0][2]])
+    assert full[0][2] in full[1] or len(only_first[0]) == 64      # row 1 never stops: no early exit
+    stops = [full[0][2], full[1][2]]                               # each row stops at its third token
+    got = fastgen.StaticGreedy(model, 64, pad_id=0).generate(prompts, stop_ids=stops)
+    n = len(got[0])
+    assert n == 32
+    assert got == [row[:n] for row in full]
+
+
+def test_batches_fit_the_memory_budget():
+    from capture.fastgen import batches_by_memory
+
+    lengths = [10, 200, 50, 90, 90, 5]
+    groups = batches_by_memory(lengths, max_new=10, max_batch=4, bytes_per_token=1, budget_bytes=300)
+    assert sorted(i for g in groups for i in g) == list(range(6))
+    for g in groups:
+        assert len(g) <= 4 and (len(g) == 1 or len(g) * (max(lengths[i] for i in g) + 10) <= 300)
+    assert groups[0] == [1]                                   # longest first
+
+
+def test_non_llama_targets_use_generate():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from capture import fastgen
+
+    cfg = MistralConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                        num_attention_heads=2, num_key_value_heads=1)
+    assert not fastgen.supports(MistralForCausalLM(cfg))
