@@ -131,8 +131,12 @@ class StaticGreedy:
             self._step(*args)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            result = self._step(*args)
+        try:
+            with torch.cuda.graph(graph):
+                result = self._step(*args)
+        except RuntimeError as e:                       # still correct, only slower
+            print(f"[fastgen] CUDA graph capture failed ({e}); decoding eagerly", flush=True)
+            return lambda: self._step(*args)
 
         def replay():
             graph.replay()

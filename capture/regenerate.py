@@ -297,7 +297,7 @@ def _regenerate_hf(device: str, target_dir: Path, target: TargetConfig, capture:
     model = load_target_model(target_dir, model_dtype(device), device, target.trust_remote_code)
     gen = hf_generate(model, end_of_turn_ids(tok), capture.regen_max_new_tokens, capture.regen_batch_size)
     regenerate_conversations(convs, tok, gen, path, max_length, progress=progress,
-                             chunk=max(256, 2 * capture.regen_batch_size))
+                             chunk=max(256, capture.regen_batch_size))
 
 
 def _worker(rank: int, workers: int, device: str, target_dir: Path, target: TargetConfig,

@@ -104,6 +104,7 @@ class CaptureConfig:
     device: str = "auto"
     regenerate: bool = False                  # answer the prompts with the target first (on-policy data)
     regen_max_new_tokens: int = 256
+    regenerate_only: bool = False             # python -m capture: write the answers (JSONL cache), no features
     regen_batch_size: int = 16                # prompts per batch (GPU: thousands; capped by free memory)
     regen_workers: int = 0                    # hf: processes answering in parallel, one per GPU (0 = one per visible GPU)
     # sglang backend

@@ -1,0 +1,84 @@
+"""Wait for jobs of scripts/gpu/proof.py, then pack what the device tool can bring back.
+
+    python scripts/gpu/collect.py --work /tmp/proof --out $OUT --wait 540 --exports peer_lr1e-3,scale_all
+
+Waits until every job in WORK/status.json has ended or --wait seconds pass, prints the status, then
+writes OUT/small.tar.gz (status, log tails, metrics, curves, configs, evaluation reports) and, for each
+run named in --exports that has finished and was not sent before, its export/vllm directory as a tar
+split into parts of 15 MiB (the tool brings back at most 8 files of 16 MiB, 64 MiB in all).
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import tarfile
+import time
+from pathlib import Path
+
+PART = 15 << 20
+BUDGET = 60 << 20
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--work", type=Path, required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--wait", type=float, default=0)
+    ap.add_argument("--exports", default="")
+    args = ap.parse_args()
+    work, t0 = args.work, time.time()
+    status = {}
+    while True:
+        if (work / "status.json").exists():
+            try:
+                status = json.loads((work / "status.json").read_text())
+            except ValueError:
+                pass
+        running = [k for k, v in status.items() if v["state"] in ("wait", "run")]
+        if (status and not running) or time.time() - t0 > args.wait:
+            break
+        time.sleep(5)
+    for k, v in status.items():
+        print(f"{k:28s} {v['state']:5s} start {v['start_s']}s took {v['secs']}s gpus {v['gpus']}")
+
+    with tarfile.open(args.out / "small.tar.gz", "w:gz") as tar:
+        for p in sorted(work.rglob("*")):
+            rel = p.relative_to(work)
+            if not p.is_file() or "checkpoints" in rel.parts or "hydra" in rel.parts:
+                continue
+            if p.suffix == ".log":
+                data = p.read_bytes()[-200_000:]
+                info = tarfile.TarInfo(str(rel))
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+            elif p.suffix in (".json", ".jsonl", ".png", ".md", ".yaml") and "export" not in rel.parts[:-1] \
+                    or p.name == "config.json":
+                tar.add(p, arcname=str(rel))
+    used = (args.out / "small.tar.gz").stat().st_size
+    files = 1
+    sent_path = work / "sent.txt"
+    sent = set(sent_path.read_text().split()) if sent_path.exists() else set()
+    for run in [r for r in args.exports.split(",") if r]:
+        src = work / "runs" / run / "export" / "vllm"
+        if run in sent or status.get(run, {}).get("state") != "ok" or not (src / "model.safetensors").exists():
+            continue
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            tar.add(src, arcname=f"{run}/vllm")
+        data = buf.getvalue()
+        parts = [data[i:i + PART] for i in range(0, len(data), PART)]
+        if used + len(data) > BUDGET or files + len(parts) > 8:
+            print(f"[collect] {run}: no room left this time")
+            continue
+        for i, part in enumerate(parts):
+            (args.out / f"exp_{run}.tar.{i:02d}").write_bytes(part)
+        used, files = used + len(data), files + len(parts)
+        sent.add(run)
+        print(f"[collect] {run}: {len(data) / 2**20:.1f} MiB in {len(parts)} parts")
+    sent_path.write_text("\n".join(sorted(sent)))
+    print(f"[collect] {files} files, {used / 2**20:.1f} MiB")
+
+
+if __name__ == "__main__":
+    main()

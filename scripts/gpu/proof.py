@@ -1,0 +1,214 @@
+"""Issue 9's GPU session in one unattended run: regenerate, train every drafter, evaluate them.
+
+    python scripts/gpu/proof.py --work /tmp/proof            # on a GPU machine, every visible GPU
+    python scripts/gpu/proof.py --work /tmp/dry --dry-run    # the same graph on CPU, tiny sizes
+
+Jobs (each a plain command of this repository, logged to WORK/logs/NAME.log):
+    regen_peer   python -m capture +experiment=smollm2_peer capture.regenerate_only=true
+    regen_all    python -m capture +experiment=smollm2_scale capture.regenerate_only=true
+    peer_*       train.py +experiment=smollm2_peer with the peer's recipe and our changes to it
+    scale_*      train.py on the regenerated answers of the first conversations holding 8k / 20k
+                 prompts, and of all of them
+    eval_*       evaluate.py (hf backend: our reference, counting tau as the engines do) per group
+    zero_*       issue 8: ZeRO-2 / ZeRO-3 on 2 GPUs against 1 GPU, same global batch
+A job starts once its dependencies have finished; at most --per-gpu jobs share a GPU. WORK/status.json
+says what ran, how long, and the exit codes. Rerunning skips jobs already done.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, List, Optional
+
+ROOT = Path(__file__).resolve().parents[2]
+PY = sys.executable
+
+
+@dataclass
+class Job:
+    name: str
+    cmd: Callable[[], List[str]] | List[str]    # a callable is built when the job starts
+    deps: List[str] = field(default_factory=list)
+    gpus: int = 1                                 # 1: the freest GPU; 0: every GPU; 2: two GPUs
+    exclusive: bool = False                       # alone on its GPUs (timings)
+    after: List[str] = field(default_factory=list)  # jobs that must have ended, well or not
+    state: str = "wait"                           # wait | run | ok | fail
+    proc: Optional[subprocess.Popen] = None
+    gpu_ids: List[int] = field(default_factory=list)
+    t0: float = 0.0
+    t1: float = 0.0
+
+
+def prompts_prefix(regen_jsonl: Path, n_prompts: int) -> int:
+    """How many conversations, from the start of the file, hold n_prompts answered user turns."""
+    total = 0
+    with open(regen_jsonl) as f:
+        for i, line in enumerate(f, 1):
+            total += sum(m["role"] == "assistant" for m in json.loads(line)["messages"])
+            if total >= n_prompts:
+                return i
+    return 0
+
+
+def build_jobs(work: Path, dry: bool, gpus: int) -> List[Job]:
+    tiny = (["target=tiny_llama", "aux_layers=[2,3,4]", "data.num_samples=24", "train.steps=4",
+             "train.batch_size=4", "drafter.draft_vocab_size=512", "capture.regen_max_new_tokens=8",
+             "capture.regen_batch_size=8", "data.max_length=256"] if dry else [])
+    ev_tiny = ["eval.num_prompts=2", "eval.max_new_tokens=8"] if dry else []
+    runs = work / "runs"
+
+    def regen(exp):
+        return lambda: [PY, "-m", "capture", f"+experiment={exp}", "capture.regenerate_only=true", *tiny]
+
+    def train(exp, name, *over):
+        return [PY, "train.py", f"+experiment={exp}", f"run_dir={runs / name}", "train.wandb=false", *over, *tiny]
+
+    def scale_train(name, n_prompts, *over):
+        def cmd():
+            path = _regen_path_from_log(work / "logs" / "regen_all.log")
+            n = prompts_prefix(path, n_prompts) if n_prompts else 0
+            print(f"[proof] {name}: {n or 'all'} conversations for {n_prompts or 'all'} prompts", flush=True)
+            return train("smollm2_scale", name, "data.source=jsonl", f"data.path={path}", f"data.num_samples={n}",
+                         "capture.regenerate=false", *over)
+        return cmd
+
+    peer = {"peer_specforge_recipe": [],                        # lr 1e-4, exactly the peer's settings
+            "peer_lr3e-4": ["optim.lr=3e-4"],
+            "peer_lr1e-3": ["optim.lr=1e-3"],
+            "peer_lr1e-3_ttt1": ["optim.lr=1e-3", "train.ttt_steps=1"],
+            "peer_lr1e-3_original": ["optim.lr=1e-3", "capture.regenerate=false"],
+            "peer_lr1e-3_vd4096": ["optim.lr=1e-3", "drafter.draft_vocab_size=4096"]}
+    scale = {"scale_8k": 8000, "scale_20k": 20000, "scale_all": 0}
+    scale_lr = {"scale_all_lr3e-4": ["optim.lr=3e-4"]}
+    jobs = [Job("regen_peer", regen("smollm2_peer"), gpus=0),
+            Job("regen_all", regen("smollm2_scale"), deps=["regen_peer"], gpus=0)]   # beside the peer runs
+    jobs += [Job(n, train("smollm2_peer", n, *o), deps=["regen_peer"]) for n, o in peer.items()]
+    jobs += [Job(n, scale_train(n, k), deps=["regen_all"]) for n, k in scale.items()]
+    jobs += [Job(n, scale_train(n, 0, *o), deps=["regen_all"]) for n, o in scale_lr.items()]
+
+    def evaluate(exp, names, prompts):
+        return [PY, "evaluate.py", f"+experiment={exp}", "eval.backend=hf", f"run_dir={runs / ('eval_' + names[0])}",
+                "eval.drafters=[" + ",".join(str(runs / n) for n in names) + "]",
+                f"eval.prompts=[{prompts}]", *tiny, *ev_tiny]
+    half = len(peer) // 2
+    jobs += [Job("eval_peer_a", evaluate("smollm2_peer", list(peer)[:half], "mt_bench"), deps=list(peer)[:half]),
+             Job("eval_peer_b", evaluate("smollm2_peer", list(peer)[half:], "mt_bench"), deps=list(peer)[half:]),
+             Job("eval_scale", evaluate("smollm2_scale", list(scale), "mt_bench"), deps=list(scale)),
+             Job("eval_scale_more", evaluate("smollm2_scale", ["scale_all", *scale_lr],
+                                             "mt_bench,mt_bench_2turn,sharegpt_heldout"), deps=["scale_all", *scale_lr])]
+    if gpus >= 2:   # issue 8
+        base = ["+experiment=tiny", f"data.features_dir={work / 'features_tiny'}", "train.steps=20",
+                "train.batch_size=8", "train.wandb=false"]
+        launch = [PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29611"]
+        for z in (2, 3):                     # zero2_1gpu captures the tiny features the others reuse
+            jobs.append(Job(f"zero{z}_1gpu", [PY, "train.py", *base, f"dist=zero{z}", f"run_dir={runs / f'zero{z}_1gpu'}"],
+                            deps=["regen_peer"] if z == 2 else ["zero2_1gpu"]))
+            jobs.append(Job(f"zero{z}_2gpu", [*launch, "train.py", *base, f"dist=zero{z}",
+                                              f"run_dir={runs / f'zero{z}_2gpu'}"], deps=[f"zero{z}_1gpu"], gpus=2))
+        # tokens/s and memory per GPU: the peer recipe for 150 steps, alone on its GPUs, after all else
+        speed = ["+experiment=smollm2_peer", "train.steps=150", "train.wandb=false", "dist=zero2", "optim.lr=1e-3"]
+        last = [j.name for j in jobs]
+        jobs.append(Job("speed_1gpu", [PY, "train.py", *speed, f"run_dir={runs / 'speed_1gpu'}"], after=last,
+                        deps=["regen_peer"], exclusive=True))
+        jobs.append(Job("speed_2gpu", [*launch, "train.py", *speed, f"run_dir={runs / 'speed_2gpu'}"],
+                        after=last + ["speed_1gpu"], deps=["regen_peer"], gpus=2, exclusive=True))
+    return jobs
+
+
+def _regen_path_from_log(log: Path) -> Path:
+    for line in log.read_text().splitlines()[::-1]:
+        if line.startswith("[capture] regenerated conversations: "):
+            return Path(line.split(": ", 1)[1].strip())
+    raise RuntimeError(f"{log}: no regenerated-conversations line")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--work", type=Path, required=True)
+    ap.add_argument("--dry-run", action="store_true")
+    ap.add_argument("--per-gpu", type=int, default=4)
+    ap.add_argument("--only", default="", help="comma-separated job names (and nothing else)")
+    args = ap.parse_args()
+    import torch
+
+    gpus = torch.cuda.device_count()
+    work = args.work.resolve()
+    (work / "logs").mkdir(parents=True, exist_ok=True)
+    status_path = work / "status.json"
+    done = {k for k, v in json.loads(status_path.read_text()).items() if v["state"] == "ok"} \
+        if status_path.exists() else set()
+    jobs = build_jobs(work, args.dry_run, gpus)
+    if args.only:
+        keep = set(args.only.split(","))
+        jobs = [j for j in jobs if j.name in keep]
+    for j in jobs:
+        if j.name in done:
+            j.state = "ok"
+    slots = [args.per_gpu] * max(gpus, 1)        # free job slots per GPU
+    start = time.time()
+
+    def save():
+        status_path.write_text(json.dumps({j.name: {"state": j.state, "gpus": j.gpu_ids,
+                                                    "start_s": round(j.t0 - start, 1) if j.t0 else None,
+                                                    "secs": round((j.t1 or time.time()) - j.t0, 1) if j.t0 else None}
+                                           for j in jobs}, indent=1))
+
+    def cost(j):
+        return args.per_gpu if j.exclusive else 1
+
+    while any(j.state in ("wait", "run") for j in jobs):
+        for j in jobs:
+            if j.state == "run" and j.proc.poll() is not None:
+                j.state, j.t1 = ("ok" if j.proc.returncode == 0 else "fail"), time.time()
+                for g in j.gpu_ids:
+                    slots[g] += cost(j)
+                print(f"[proof] {j.name} {j.state} after {j.t1 - j.t0:.0f}s", flush=True)
+        states = {j.name: j.state for j in jobs}
+        for j in jobs:
+            if j.state != "wait":
+                continue
+            if any(states.get(d) == "fail" for d in j.deps):
+                j.state = "fail"
+                print(f"[proof] {j.name} skipped: a dependency failed", flush=True)
+                continue
+            if not all(states.get(d, "ok") == "ok" for d in j.deps) or \
+                    any(states.get(d) in ("wait", "run") for d in j.after):
+                continue
+            n = len(slots)
+            want = n if j.gpus == 0 else min(j.gpus, n)
+            order = sorted(range(n), key=lambda k: -slots[k])[:want]
+            if len(order) < want or any(slots[g] < cost(j) for g in order):
+                continue
+            ids = sorted(order)
+            for g in ids:
+                slots[g] -= cost(j)
+            env = dict(os.environ, PYTHONUNBUFFERED="1", WANDB_MODE="disabled", NCCL_NVLS_ENABLE="0")
+            if gpus:
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, ids))
+            try:
+                cmd = j.cmd() if callable(j.cmd) else j.cmd
+            except Exception as e:                # noqa: BLE001 - a job that cannot even be built fails alone
+                j.state = "fail"
+                print(f"[proof] {j.name} failed to start: {e}", flush=True)
+                continue
+            log = open(work / "logs" / f"{j.name}.log", "w")
+            log.write(" ".join(cmd) + "\n")
+            log.flush()
+            j.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+            j.state, j.gpu_ids, j.t0 = "run", ids, time.time()
+            print(f"[proof] {j.name} started on {ids}", flush=True)
+            states[j.name] = "run"
+        save()
+        time.sleep(2)
+    save()
+    print("[proof] finished:", {j.name: j.state for j in jobs}, flush=True)
+
+
+if __name__ == "__main__":
+    main()
