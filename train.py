@@ -151,6 +151,7 @@ def main(cfg) -> None:
     # ---- drafter, optimizer ----
     embed, lm_head = load_head(target_dir)
     shape = drafter_shape(info, c.drafter, num_aux=len(aux_layers), draft_vocab_size=len(vocab.d2t))
+    torch.manual_seed(c.train.seed)   # the same init whether or not this process captured or built a target first
     drafter = Eagle3Drafter(shape)
     drafter.set_target_embedding(embed)
     lm_head = lm_head.to(device, compute_dtype)
@@ -246,11 +247,14 @@ def main(cfg) -> None:
         if held_idx and (step % c.train.eval_every == 0 or step == total - 1):
             model.eval()
             hs, uni = StepStats(S), torch.zeros(2, device=device)
-            batches = [held_idx[k:k + c.train.batch_size] for k in range(0, len(held_idx), c.train.batch_size)]
-            batches = batches[:c.train.eval_batches]
+            # Full global batches only (the last wraps around to the start): every rank must run the
+            # same number of forwards, since ZeRO-3 gathers the parameters collectively in each one
+            # and a rank left without samples would hang the others (seen on 2 H200s).
+            n, bs = len(held_idx), c.train.batch_size
+            batches = [[held_idx[(k + j) % n] for j in range(bs)] for k in range(0, n, bs)][:c.train.eval_batches]
             with torch.no_grad():
                 for gb in batches:
-                    parts, norm = prepare(gb[rank::world])
+                    parts, norm = prepare(gb[rank * per_rank:(rank + 1) * per_rank])
                     for bt, teacher in parts:
                         hs.add(run_loss(bt, teacher, norm))
                         if unigram is None:      # the always-draft-the-most-frequent-token baseline

@@ -67,3 +67,27 @@ def test_two_processes_log_once_checkpoint_and_resume(tmp_path):
     assert sorted(resumed) == list(range(6))
     for step in range(3, 6):
         assert resumed[step] == pytest.approx(full[step], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_zero3_on_two_processes_evaluates_a_partial_last_batch_and_matches_one_process(tmp_path):
+    """ZeRO-3 gathers parameters collectively in every forward, so a rank with no held-out samples
+    left hangs the other under NCCL (seen on 2 H200s: 9 held-out samples, batches of 8). Held-out
+    batches are now full global batches, the last one wrapping around. Gloo did not hang on the old
+    split, so this checks the new one: same rows and losses as one process under ZeRO-3."""
+    common = ["+experiment=tiny", f"data.features_dir={tmp_path}/features", "train.steps=3",
+              "train.log_every=1", "train.eval_every=2", "train.eval_batches=3", "dist=zero3",
+              "train.save_every=100"]
+    subprocess.run([sys.executable, "-m", "capture", "+experiment=tiny", f"data.features_dir={tmp_path}/features"],
+                   cwd=ROOT, check=True, capture_output=True, env=dict(os.environ, OMP_NUM_THREADS="2"))
+    torchrun(*common, f"run_dir={tmp_path}/two")
+    one = subprocess.run([sys.executable, "train.py", *common, f"run_dir={tmp_path}/one"], cwd=ROOT,
+                         capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="2", WANDB_MODE="disabled"))
+    assert one.returncode == 0, one.stderr[-3000:]
+
+    def rows(run):
+        return [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+    two, single = rows("two"), rows("one")
+    assert [(r["step"], r["split"]) for r in two] == [(r["step"], r["split"]) for r in single]
+    assert sum(r["split"] == "heldout" for r in two) == 2
+    assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in single], rel=1e-5)
