@@ -170,6 +170,31 @@ def _pack(tensors: Dict[str, torch.Tensor], max_shard_bytes: int) -> list[list[s
     return shards
 
 
+def prune_draft_vocab(tensors: Dict[str, torch.Tensor], config: dict, keep: torch.Tensor
+                      ) -> Tuple[Dict[str, torch.Tensor], dict]:
+    """The same drafter over a smaller draft vocabulary: `keep` (target ids, all in the current one).
+
+    lm_head keeps the rows of those tokens, so for every kept token the logit is unchanged; d2t and
+    t2d describe the new vocabulary (ascending target ids, as eagle3.vocab builds them). A token
+    outside it can no longer be drafted. Used to fit a trained drafter into small files: lm_head is
+    its largest tensor (draft vocab x hidden).
+    """
+    d2t, t2d = tensors["d2t"], tensors["t2d"]
+    current = d2t + torch.arange(d2t.numel())                      # target id of each draft row
+    keep = torch.unique(torch.as_tensor(keep, dtype=torch.long))   # sorted ascending
+    if not bool(t2d[keep].all()):
+        raise ValueError(f"{int((~t2d[keep]).sum())} of the tokens to keep are not in the draft vocabulary")
+    rows = torch.searchsorted(current, keep)
+    out = dict(tensors)
+    out["lm_head.weight"] = tensors["lm_head.weight"][rows].contiguous()
+    out["d2t"] = (keep - torch.arange(keep.numel())).contiguous()
+    out["t2d"] = torch.zeros_like(t2d)
+    out["t2d"][keep] = True
+    cfg = json.loads(json.dumps(config))
+    cfg["draft_vocab_size"] = int(keep.numel())
+    return out, cfg
+
+
 def find_export(path: Path, engine: str) -> Path:
     """An export dir given either itself or the run dir above it."""
     path = Path(path)

@@ -108,3 +108,32 @@ def test_cli_prints_the_files_and_refuses_a_non_export_destination(source, tmp_p
     assert Path(path).parent == tmp_path / "sharded" and int(size.replace(",", "")) == Path(path).stat().st_size
     with pytest.raises(SystemExit, match="is not a drafter export; refusing"):
         main(["reshard", str(source), str(tmp_path)])
+
+
+def test_pruning_the_draft_vocab_keeps_the_logits_of_kept_tokens():
+    """prune_draft_vocab against the full drafter: for every kept token, the pruned lm_head row (and so
+    its logit for any hidden state) is the original's; d2t/t2d map exactly the kept target ids."""
+    from eagle3.export import prune_draft_vocab
+
+    torch.manual_seed(0)
+    V, Vd, H = 50, 12, 8
+    ids = torch.sort(torch.randperm(V)[:Vd]).values
+    tensors = {"lm_head.weight": torch.randn(Vd, H), "fc.weight": torch.randn(H, 3 * H),
+               "d2t": ids - torch.arange(Vd), "t2d": torch.zeros(V, dtype=torch.bool)}
+    tensors["t2d"][ids] = True
+    keep = ids[torch.tensor([7, 0, 3, 11])]                       # any order
+    out, cfg = prune_draft_vocab(tensors, {"draft_vocab_size": Vd, "x": 1}, keep)
+    assert cfg == {"draft_vocab_size": 4, "x": 1}
+    kept_sorted = torch.sort(keep).values
+    assert torch.equal(out["d2t"] + torch.arange(4), kept_sorted)
+    assert torch.equal(torch.nonzero(out["t2d"]).flatten(), kept_sorted)
+    h = torch.randn(5, H)
+    full = h @ tensors["lm_head.weight"].T
+    pruned = h @ out["lm_head.weight"].T
+    for j, tid in enumerate(kept_sorted.tolist()):
+        row = ids.tolist().index(tid)
+        assert torch.equal(out["lm_head.weight"][j], tensors["lm_head.weight"][row])
+        assert torch.allclose(pruned[:, j], full[:, row], rtol=0, atol=1e-6)
+    assert torch.equal(out["fc.weight"], tensors["fc.weight"])
+    with pytest.raises(ValueError, match="not in the draft vocabulary"):
+        prune_draft_vocab(tensors, {}, torch.tensor([int(torch.nonzero(~tensors["t2d"])[0])]))
