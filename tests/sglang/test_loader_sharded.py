@@ -52,3 +52,19 @@ def test_sharded_export_reads_as_the_single_file_one(tmp_path):
     for name, tensor in theirs:
         assert tensor.dtype == ours[name].dtype and tensor.shape == ours[name].shape, name
         assert torch.equal(tensor.flatten().view(torch.uint8), ours[name].flatten().view(torch.uint8)), name
+
+
+def test_the_committed_drafter_reads_through_its_links():
+    """results/smollm2-drafter/export/sglang holds links to the vllm shards (weights stored once):
+    SGLang's discovery must find them and read the very tensors of the vllm directory."""
+    from sglang.srt.model_loader.weight_utils import safetensors_weights_iterator
+
+    from eagle3.export import load_export
+
+    root = Path(__file__).resolve().parents[2] / "results" / "smollm2-drafter" / "export"
+    files = sglang_weight_files(root / "sglang")
+    assert len(files) >= 3 and all(Path(f).is_symlink() for f in files)
+    ours, _ = load_export(root / "vllm")
+    theirs = dict(safetensors_weights_iterator(files))
+    assert sorted(theirs) == sorted(ours)
+    assert all(torch.equal(theirs[k], ours[k]) for k in ours)
