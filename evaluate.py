@@ -204,6 +204,8 @@ def drafter_name(path: str) -> str:
     p = Path(path).resolve()
     if p.parent.name == "export":          # <run_dir>/export/<engine>
         return p.parent.parent.name
+    if p.name in ("sglang", "vllm"):       # <name>/<engine>: an export kept outside a run dir
+        return p.parent.name
     return p.name
 
 

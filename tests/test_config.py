@@ -50,6 +50,20 @@ def test_kimi_values():
         "sglang", 3, 1, 4, 90)
 
 
+def test_smollm2_peer_is_specforges_recipe():
+    """ENGINES.md's peer run: first 8,000 ShareGPT first turns under 1,500 characters, SmolLM2's own
+    answers (256 new tokens), seq 512, draft vocab 16,384, TTT 7, AdamW 1e-4 cosine, clip 0.5,
+    2 epochs of 16; judged on 20 MT-Bench first turns, 128 new tokens, 3 draft tokens."""
+    c = schema.to_config(_compose("train", ["+experiment=smollm2_peer"]))
+    assert (c.data.source, c.data.num_samples, c.data.turns, c.data.max_prompt_chars, c.data.max_length) == (
+        "sharegpt", 8000, 1, 1500, 512)
+    assert c.capture.regenerate and c.capture.regen_max_new_tokens == 256
+    assert (c.drafter.draft_vocab_size, c.train.ttt_steps, c.optim.lr, c.optim.grad_clip, c.optim.min_lr_fraction) == (
+        16384, 7, 1e-4, 0.5, 0.0)
+    assert (c.train.epochs, c.train.batch_size, c.train.steps, c.train.mode) == (2, 16, 0, "online")
+    assert (c.eval.prompts, c.eval.num_prompts, c.eval.max_new_tokens, c.eval.num_steps) == (["mt_bench"], 20, 128, 3)
+
+
 def test_misspelled_key_fails():
     with pytest.raises(ConfigCompositionException) as e:
         _compose("train", ["train.stpes=5"])
