@@ -22,6 +22,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 NUM_PROMPTS, MAX_NEW, K = 3, 32, 3
 TAU_TOL = 0.15        # |tau_hf - tau_vllm|; measured 0.029 (1.632 vs 1.661) with the fixture drafter
+NUM_PROMPTS_IDS, MAX_NEW_IDS = 10, 64   # the layer-id test: enough for the per-prompt comparison
 
 
 def _engine_missing():
@@ -112,10 +113,10 @@ def drafter_dir(tmp_path_factory):
     return fit_memorizing_drafter(tmp_path_factory.mktemp("memorizer"))
 
 
-def _evaluate(backend, drafters, out, extra=()):
+def _evaluate(backend, drafters, out, extra=(), num_prompts=NUM_PROMPTS, max_new=MAX_NEW):
     cmd = [sys.executable, "evaluate.py", "+experiment=smollm2", f"run_dir={out}/run", f"eval.backend={backend}",
            f"eval.drafters=[{','.join(str(d) for d in drafters)}]", "eval.prompts=[mt_bench]",
-           f"eval.num_prompts={NUM_PROMPTS}", f"eval.max_new_tokens={MAX_NEW}", f"eval.num_steps={K}",
+           f"eval.num_prompts={num_prompts}", f"eval.max_new_tokens={max_new}", f"eval.num_steps={K}",
            f"eval.out_dir={out}", *extra]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200, env=env)
@@ -151,3 +152,36 @@ def test_hf_and_vllm_agree_on_tau(drafter_dir, tmp_path):
         # by one (adjacent layers' states give it the same argmax), so it cannot show the layer-id
         # convention; that needs a drafter trained on real data (assert it then).
         print(f"shifted ids: vllm tau {sh['tau']:.3f} acc {sh['accept_per_position']}")
+
+
+def test_the_committed_drafter_shows_the_layer_id_convention(tmp_path):
+    """The committed GPU-trained drafter (results/smollm2-drafter) against the same weights with
+    vLLM's aux ids shifted by one. vLLM reads both as written; the correct wiring must be accepted
+    more often, prompt by prompt as well as in total (docs/results.md: 18 of 20 MT-Bench prompts)."""
+    import shutil
+
+    src = ROOT / "results" / "smollm2-drafter" / "export" / "vllm"
+    shifted = tmp_path / "shifted" / "vllm"
+    shifted.mkdir(parents=True)
+    for f in src.iterdir():
+        shutil.copy(f, shifted / f.name)
+    cfg = json.loads((src / "config.json").read_text())
+    ids = cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in ids]
+    del cfg["eagle3"]          # our record of the meaning: with it, evaluate.py refuses the mismatch
+    (shifted / "config.json").write_text(json.dumps(cfg, indent=2))
+
+    rep = _evaluate("vllm", [src, shifted], tmp_path / "out", num_prompts=NUM_PROMPTS_IDS, max_new=MAX_NEW_IDS)
+    good, bad = rep["results"]
+    assert good["engine_aux_layers"] == [2, 15, 27] and bad["engine_aux_layers"] == [3, 16, 28]
+    rows = [json.loads(line) for line in (tmp_path / "out" / "per_prompt.jsonl").read_text().splitlines()]
+
+    def per_prompt(name):
+        return {r["prompt_id"]: 1 + r["num_accepted"] / max(1, r["num_drafts"]) for r in rows if r["drafter"] == name}
+    a, b = per_prompt(good["drafter"]), per_prompt(bad["drafter"])
+    wins = sum(a[p] > b[p] for p in a)
+    print(f"\ncommitted tau {good['tau']:.3f} acc {good['accept_per_position']}"
+          f"\nshifted   tau {bad['tau']:.3f} acc {bad['accept_per_position']}; correct wins on {wins}/{len(a)} prompts")
+    assert good["tau"] > 1.3                       # a real drafter, accepted well above chance
+    assert good["tau"] > bad["tau"] + 0.03
+    assert wins >= 0.7 * len(a)
