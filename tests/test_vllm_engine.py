@@ -22,7 +22,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 NUM_PROMPTS, MAX_NEW, K = 3, 32, 3
 TAU_TOL = 0.15        # |tau_hf - tau_vllm|; measured 0.029 (1.632 vs 1.661) with the fixture drafter
-NUM_PROMPTS_IDS, MAX_NEW_IDS = 10, 64   # the layer-id test: enough for the per-prompt comparison
+# The layer-id test: a one-layer shift costs this drafter little (adjacent residual streams are
+# alike), 0.04 of tau; at 10 prompts x 64 tokens the correct wiring won only 6 of 10 prompts, so
+# the test uses the docs/results.md setting, where the paired difference is well clear of noise.
+NUM_PROMPTS_IDS, MAX_NEW_IDS = 20, 128
 
 
 def _engine_missing():
@@ -179,9 +182,11 @@ def test_the_committed_drafter_shows_the_layer_id_convention(tmp_path):
     def per_prompt(name):
         return {r["prompt_id"]: 1 + r["num_accepted"] / max(1, r["num_drafts"]) for r in rows if r["drafter"] == name}
     a, b = per_prompt(good["drafter"]), per_prompt(bad["drafter"])
-    wins = sum(a[p] > b[p] for p in a)
+    diff = torch.tensor([a[p] - b[p] for p in a], dtype=torch.float64)
+    t = float(diff.mean() / (diff.std() / len(diff) ** 0.5))       # paired t over prompts
+    wins = int((diff > 0).sum())
     print(f"\ncommitted tau {good['tau']:.3f} acc {good['accept_per_position']}"
-          f"\nshifted   tau {bad['tau']:.3f} acc {bad['accept_per_position']}; correct wins on {wins}/{len(a)} prompts")
+          f"\nshifted   tau {bad['tau']:.3f} acc {bad['accept_per_position']}; correct wins on {wins}/{len(a)} "
+          f"prompts, mean difference {float(diff.mean()):.3f}, paired t {t:.1f}")
     assert good["tau"] > 1.3                       # a real drafter, accepted well above chance
-    assert good["tau"] > bad["tau"] + 0.03
-    assert wins >= 0.7 * len(a)
+    assert good["tau"] > bad["tau"] and t > 2.5    # one-sided, p < 0.01 at 19 degrees of freedom
