@@ -234,8 +234,11 @@ def write_error(spool: Path, rid: Optional[str], message: str) -> None:
         if rid is not None and safe_rid(rid):
             d = spool / f"req_{rid}"
             d.mkdir(exist_ok=True)
-            with open(d / "error.txt", "a") as f:
-                f.write(f"{stamp} {message}\n")
+            # whole or absent: the client reads error.txt as soon as it exists (an appending write
+            # was once read empty, between the file's creation and its first line)
+            path, tmp = d / "error.txt", d / f".error.{os.getpid()}.{threading.get_ident()}"
+            tmp.write_text((path.read_text() if path.exists() else "") + f"{stamp} {message}\n")
+            os.replace(tmp, path)
         else:
             with open(spool / "errors.txt", "a") as f:
                 f.write(f"{stamp} rid={rid!r} {message}\n")

@@ -341,3 +341,15 @@ def test_launches_the_server_and_stops_it(target, tmp_path, monkeypatch):
     assert " --return-aux-hidden-state-layer-ids 0 2 3 " in " ".join(launched["args"]) + " "   # Llama: i - 1
     with pytest.raises(ProcessLookupError):
         os.kill(launched["pid"], 0)                            # the server is gone
+
+
+def test_error_file_appears_whole(tmp_path):
+    """The client reads req_<rid>/error.txt as soon as it exists, so write_error replaces it in one
+    step (CI once read it empty between an appending open and its write): every message is kept,
+    nothing else is left in the request directory."""
+    write_error(tmp_path, "c1", "first reason")
+    write_error(tmp_path, "c1", "second reason")
+    d = tmp_path / "req_c1"
+    lines = (d / "error.txt").read_text().splitlines()
+    assert [line.split(" ", 2)[2] for line in lines] == ["first reason", "second reason"]
+    assert [p.name for p in d.iterdir()] == ["error.txt"]
