@@ -12,7 +12,10 @@ Jobs (each a plain command of this repository, logged to WORK/logs/NAME.log):
     eval_*       evaluate.py (hf backend: our reference, counting tau as the engines do) per group
     zero_*       issue 8: ZeRO-2 / ZeRO-3 on 2 GPUs against 1 GPU, same global batch
 A job starts once its dependencies have finished; at most --per-gpu jobs share a GPU. WORK/status.json
-says what ran, how long, and the exit codes. Rerunning skips jobs already done.
+says what ran, how long, and the exit codes. Rerunning skips jobs already done; --only runs a subset
+(a dependency outside it counts as done), e.g. what the first session left unrun:
+    --only regen_all,scale_8k,scale_20k,scale_all,scale_all_lr3e-4,eval_scale,eval_scale_more,\
+           peer_lr1e-3_original,zero3_1gpu,zero3_2gpu,speed_1gpu,speed_2gpu
 """
 from __future__ import annotations
 
@@ -86,8 +89,9 @@ def build_jobs(work: Path, dry: bool, gpus: int) -> List[Job]:
             "peer_lr1e-3_vd4096": ["optim.lr=1e-3", "drafter.draft_vocab_size=4096"]}
     scale = {"scale_8k": 8000, "scale_20k": 20000, "scale_all": 0}
     scale_lr = {"scale_all_lr3e-4": ["optim.lr=3e-4"]}
-    jobs = [Job("regen_peer", regen("smollm2_peer"), gpus=0),
-            Job("regen_all", regen("smollm2_scale"), deps=["regen_peer"], gpus=0)]   # beside the peer runs
+    # Regeneration runs alone: beside six trainings it managed 4,096 conversations per GPU in 447 s
+    jobs = [Job("regen_peer", regen("smollm2_peer"), gpus=0, exclusive=True),
+            Job("regen_all", regen("smollm2_scale"), deps=["regen_peer"], gpus=0, exclusive=True)]
     jobs += [Job(n, train("smollm2_peer", n, *o), deps=["regen_peer"]) for n, o in peer.items()]
     jobs += [Job(n, scale_train(n, k), deps=["regen_all"]) for n, k in scale.items()]
     jobs += [Job(n, scale_train(n, 0, *o), deps=["regen_all"]) for n, o in scale_lr.items()]
