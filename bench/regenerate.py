@@ -58,13 +58,11 @@ def main() -> None:
         return out, time.perf_counter() - t
 
     def hf(batch):
-        T = max(map(len, batch))
-        ids = torch.tensor([[stop[0]] * (T - len(p)) + p for p in batch], device=device)
-        att = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in batch], device=device)
+        ids, att = fastgen.left_pad(batch, stop[0])
         with torch.no_grad():
-            seq = model.generate(input_ids=ids, attention_mask=att, do_sample=False, max_new_tokens=args.new,
-                                 min_new_tokens=args.new, pad_token_id=stop[0])
-        return seq[:, T:].tolist()
+            seq = model.generate(input_ids=ids.to(device), attention_mask=att.to(device), do_sample=False,
+                                 max_new_tokens=args.new, min_new_tokens=args.new, pad_token_id=stop[0])
+        return seq[:, ids.shape[1]:].tolist()
 
     dec = fastgen.StaticGreedy(model, args.new, pad_id=stop[0])
     fast_out, fast_s = timed(dec.generate)

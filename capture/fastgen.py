@@ -81,14 +81,9 @@ class StaticGreedy:
         """One batch: left-pad, prefill, decode max_new_tokens greedily (early exit once every row
         has produced a stop id)."""
         dev, B = self.device, len(prompts)
-        T = max(len(p) for p in prompts)
+        ids, att = (t.to(dev) for t in left_pad(prompts, self.pad_id))
+        T = ids.shape[1]
         S = T + self.max_new
-        ids = torch.full((B, T), self.pad_id, dtype=torch.long)
-        att = torch.zeros(B, T, dtype=torch.long)
-        for r, p in enumerate(prompts):
-            ids[r, T - len(p):] = torch.tensor(p, dtype=torch.long)
-            att[r, T - len(p):] = 1
-        ids, att = ids.to(dev), att.to(dev)
         pos = (att.cumsum(-1) - 1).clamp(min=0)
         layers = self.model.model.layers
         keys = [torch.zeros(B, self.nkv, S, self.hd, dtype=self.dtype, device=dev) for _ in layers]
@@ -142,6 +137,17 @@ class StaticGreedy:
             graph.replay()
             return result
         return replay
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int):
+    """(ids, attention mask), both [B, longest] int64 on CPU, each prompt right-aligned."""
+    T = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), T), pad_id, dtype=torch.long)
+    att = torch.zeros(len(prompts), T, dtype=torch.long)
+    for r, p in enumerate(prompts):
+        ids[r, T - len(p):] = torch.tensor(p, dtype=torch.long)
+        att[r, T - len(p):] = 1
+    return ids, att
 
 
 def batches_by_memory(lengths: Sequence[int], max_new: int, max_batch: int, bytes_per_token: int,

@@ -110,7 +110,7 @@ def cut_at_stop(ids: Sequence[int], stop_ids: Sequence[int]) -> Tuple[List[int],
 
 def hf_generate(model, stop_ids: Sequence[int], max_new_tokens: int, batch_size: int = 16,
                 memory_fraction: float = 0.5) -> Generate:
-    """Greedy answers in batches of similar length, left padded.
+    """Greedy answers in batches of similar length (longest first), left padded.
 
     Llama targets use capture/fastgen.py (static cache, CUDA graph on GPU; on CUDA a batch holds up
     to batch_size prompts, fewer when their cache would exceed memory_fraction of free memory);
@@ -118,41 +118,35 @@ def hf_generate(model, stop_ids: Sequence[int], max_new_tokens: int, batch_size:
     from capture import fastgen
 
     device = next(model.parameters()).device
-    if fastgen.supports(model):
-        dec = fastgen.StaticGreedy(model, max_new_tokens, pad_id=int(stop_ids[0]))
+    pad = int(stop_ids[0])
+    fast = fastgen.supports(model)
+    if fast:
+        dec = fastgen.StaticGreedy(model, max_new_tokens, pad_id=pad)
 
-        def run_fast(prompts: List[List[int]]) -> List[Tuple[List[int], bool]]:
-            out: List[Optional[Tuple[List[int], bool]]] = [None] * len(prompts)
-            budget = (int(torch.cuda.mem_get_info(device)[0] * memory_fraction) if device.type == "cuda"
-                      else 1 << 62)
-            for idx in fastgen.batches_by_memory([len(p) for p in prompts], max_new_tokens, batch_size,
-                                                 dec.cache_bytes_per_token(), budget):
-                for i, ids in zip(idx, dec.generate([prompts[i] for i in idx], stop_ids=stop_ids)):
-                    out[i] = cut_at_stop(ids, stop_ids)
-            return out
-        return run_fast
+        def decode(batch: List[List[int]]) -> List[List[int]]:
+            return dec.generate(batch, stop_ids=stop_ids)
+    else:
+        from transformers import GenerationConfig
 
-    from transformers import GenerationConfig
+        gen = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=list(stop_ids),
+                               pad_token_id=pad)
 
-    gen = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=list(stop_ids),
-                           pad_token_id=int(stop_ids[0]))
-
-    def run(prompts: List[List[int]]) -> List[Tuple[List[int], bool]]:
-        out: List[Optional[Tuple[List[int], bool]]] = [None] * len(prompts)
-        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
-        for b in range(0, len(order), batch_size):
-            idx = order[b:b + batch_size]
-            T = max(len(prompts[i]) for i in idx)
-            ids = torch.full((len(idx), T), int(stop_ids[0]), dtype=torch.long)
-            att = torch.zeros(len(idx), T, dtype=torch.long)
-            for r, i in enumerate(idx):
-                ids[r, T - len(prompts[i]):] = torch.tensor(prompts[i])
-                att[r, T - len(prompts[i]):] = 1
+        def decode(batch: List[List[int]]) -> List[List[int]]:
+            ids, att = fastgen.left_pad(batch, pad)
             with torch.no_grad():
                 seq = model.generate(input_ids=ids.to(device), attention_mask=att.to(device),
                                      generation_config=gen)
-            for r, i in enumerate(idx):
-                out[i] = cut_at_stop(seq[r, T:].tolist(), stop_ids)
+            return seq[:, ids.shape[1]:].tolist()
+
+    def run(prompts: List[List[int]]) -> List[Tuple[List[int], bool]]:
+        out: List[Optional[Tuple[List[int], bool]]] = [None] * len(prompts)
+        on_gpu = fast and device.type == "cuda"
+        budget = int(torch.cuda.mem_get_info(device)[0] * memory_fraction) if on_gpu else 1 << 62
+        per_token = dec.cache_bytes_per_token() if fast else 1
+        for idx in fastgen.batches_by_memory([len(p) for p in prompts], max_new_tokens, batch_size,
+                                             per_token, budget):
+            for i, ids in zip(idx, decode([prompts[i] for i in idx])):
+                out[i] = cut_at_stop(ids, stop_ids)
         return out
     return run
 

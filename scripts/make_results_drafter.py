@@ -25,8 +25,8 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from eagle3.data import build_samples  # noqa: E402
-from eagle3.engine_ids import engine_aux_ids  # noqa: E402
-from eagle3.export import INDEX_NAME, load_export, prune_draft_vocab, reshard_export  # noqa: E402
+from eagle3.export import INDEX_NAME, drafter_config, load_export, prune_draft_vocab, reshard_export  # noqa: E402
+from eagle3.model import DrafterShape  # noqa: E402
 from eagle3.targets import load_tokenizer, resolve_target  # noqa: E402
 from eagle3.vocab import count_tokens  # noqa: E402
 
@@ -65,11 +65,9 @@ def main() -> None:
     for f in files:
         if f.suffix == ".safetensors" or f.name == INDEX_NAME:
             os.symlink(Path("..") / "vllm" / f.name, sg / f.name)
-    scfg = json.loads(json.dumps(pcfg))
-    record = scfg.get("eagle3") or {}
-    scfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = engine_aux_ids(
-        record["aux_layers"], "sglang", record.get("target_arch", "llama"))
-    scfg["eagle3"] = {**record, "engine": "sglang"}
+    record = pcfg["eagle3"]
+    scfg = drafter_config(DrafterShape.from_hf_config(pcfg), record["aux_layers"], "sglang", record["target_arch"],
+                          record["target"], record["target_fingerprint"])
     (sg / "config.json").write_text(json.dumps(scfg, indent=2) + "\n")
     total = sum(f.stat().st_size for f in (export / "vllm").iterdir())
     print(f"[results] {export}: {len(files) - 2} shards, {total / 1e6:.1f} MB stored once "

@@ -114,16 +114,21 @@ def test_a_prompt_at_max_length_ends_the_conversation(tok, model, tmp_path):
     assert [m["role"] for m in rec["messages"]] == ["user", "assistant"]   # turn 2 would be cut away
 
 
-def test_load_samples_reads_the_regenerated_conversations(tok, tmp_path, monkeypatch):
-    from capture.run import load_samples
-
-    monkeypatch.setattr(R, "cache_root", lambda: tmp_path / "cache")
+def tiny_target_and_source(tmp_path):
+    """CONVS as a jsonl source, and a tiny random Llama target resolved like any experiment's."""
     src = tmp_path / "convs.jsonl"
     src.write_text("".join(json.dumps({"id": cid, "messages": m}) + "\n" for cid, m in CONVS))
     rc = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
           "num_key_value_heads": 2, "max_position_embeddings": 1024}
     target = TargetConfig(name="tiny_regen", source="random", arch="llama", random_config=rc)
-    target_dir = resolve_target(target.source, "", target.name, target.arch, rc, 0)
+    return src, target, resolve_target(target.source, "", target.name, target.arch, rc, 0)
+
+
+def test_load_samples_reads_the_regenerated_conversations(tok, tmp_path, monkeypatch):
+    from capture.run import load_samples
+
+    monkeypatch.setattr(R, "cache_root", lambda: tmp_path / "cache")
+    src, target, target_dir = tiny_target_and_source(tmp_path)
     data = DataConfig(source="jsonl", path=str(src), num_samples=3, max_length=256, heldout_fraction=0.0)
     cap = CaptureConfig(backend="hf", regenerate=True, regen_max_new_tokens=NEW, device="cpu")
     tok2, train, _ = load_samples(target_dir, target, data, cap)
@@ -142,12 +147,7 @@ def test_two_workers_write_the_same_cache_as_one(tok, tmp_path, monkeypatch):
     conversation order, equal to the single-process cache, and removed afterwards."""
     from eagle3.targets import target_info
 
-    src = tmp_path / "convs.jsonl"
-    src.write_text("".join(json.dumps({"id": cid, "messages": m}) + "\n" for cid, m in CONVS))
-    rc = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-          "num_key_value_heads": 2, "max_position_embeddings": 1024}
-    target = TargetConfig(name="tiny_regen", source="random", arch="llama", random_config=rc)
-    target_dir = resolve_target(target.source, "", target.name, target.arch, rc, 0)
+    src, target, target_dir = tiny_target_and_source(tmp_path)
     data = DataConfig(source="jsonl", path=str(src), max_length=256)
     caches = []
     for workers in (1, 2):
@@ -231,11 +231,23 @@ def test_batches_fit_the_memory_budget():
     assert groups[0] == [1]                                   # longest first
 
 
-def test_non_llama_targets_use_generate():
+def test_non_llama_targets_use_generate_in_padded_batches():
+    """A Mistral target takes hf_generate's transformers path: batched and left padded, the answers
+    equal generate's on each prompt alone."""
     from transformers import MistralConfig, MistralForCausalLM
 
     from capture import fastgen
 
+    torch.manual_seed(0)
     cfg = MistralConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                        num_attention_heads=2, num_key_value_heads=1)
-    assert not fastgen.supports(MistralForCausalLM(cfg))
+                        num_attention_heads=2, num_key_value_heads=1, initializer_range=0.2)
+    model = MistralForCausalLM(cfg).eval()
+    assert not fastgen.supports(model)
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13], [20]]
+    stop = [3]
+    got = R.hf_generate(model, stop, NEW, batch_size=2)(prompts)
+    for p, answer in zip(prompts, got):
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=NEW, eos_token_id=stop,
+                                 pad_token_id=stop[0])
+        assert answer == R.cut_at_stop(ref[0, len(p):].tolist(), stop)
