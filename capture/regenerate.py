@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -210,21 +211,31 @@ def done_ids(path: Path) -> set:
 
 def regenerate_conversations(conversations: Sequence[Tuple[str, list]], tok, generate: Generate,
                              out_path: Path, max_prompt_tokens: int, progress: bool = True,
-                             chunk: int = 256) -> Path:
+                             chunk: int = 256, minutes: float = 0.0) -> Path:
     """Answer every conversation's user turns with `generate`; append records to out_path (JSONL).
 
     conversations: (id, messages) pairs in order; ids already in out_path are skipped, so an
     interrupted run resumes. Records: {"id", "messages", "regen": {"new_tokens", "finished"}}.
-    `chunk` conversations are answered together, turn by turn, and appended when all are done.
+    `chunk` conversations are answered together, turn by turn (each round of user turns is one call
+    of `generate`, so larger chunks make fuller batches), and appended when all are done.
+    minutes > 0: no chunk starts that would, at the pace of the last one, end after that many
+    minutes; the finished ones are kept and a rerun goes on from there.
     """
     from tqdm import tqdm
 
+    t0 = time.time()
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     have = done_ids(out_path)
     todo = [(cid, msgs) for cid, msgs in conversations if cid not in have]
     bar = tqdm(total=len(todo), unit="conv", desc="regenerate", disable=not progress)
+    last = 0.0
     for c in range(0, len(todo), chunk):
+        if minutes and time.time() - t0 + last > minutes * 60:
+            print(f"[regenerate] stopped at the time limit ({minutes:g} min): {c} of {len(todo)} "
+                  f"conversations answered this run, kept in {out_path}; a rerun goes on from there", flush=True)
+            break
+        t_chunk = time.time()
         convs = [_Conv(cid, [], [dict(role=m["role"], content=m["content"]) for m in msgs])
                  for cid, msgs in todo[c:c + chunk]]
         active = [v for v in convs if v.next_prompt()]
@@ -251,6 +262,7 @@ def regenerate_conversations(conversations: Sequence[Tuple[str, list]], tok, gen
             f.flush()
             os.fsync(f.fileno())
         bar.update(len(convs))
+        last = time.time() - t_chunk
     bar.close()
     return out_path
 
@@ -291,7 +303,7 @@ def _regenerate_hf(device: str, target_dir: Path, target: TargetConfig, capture:
     model = load_target_model(target_dir, model_dtype(device), device, target.trust_remote_code)
     gen = hf_generate(model, end_of_turn_ids(tok), capture.regen_max_new_tokens, capture.regen_batch_size)
     regenerate_conversations(convs, tok, gen, path, max_length, progress=progress,
-                             chunk=max(256, capture.regen_batch_size))
+                             chunk=capture.regen_chunk, minutes=capture.regen_minutes)
 
 
 def _worker(rank: int, workers: int, device: str, target_dir: Path, target: TargetConfig,
@@ -369,7 +381,8 @@ def regenerated_data(target_dir: Path, target: TargetConfig, data: DataConfig, c
         raise SystemExit(f"error: capture.backend={capture.backend!r}: expected 'hf' or 'sglang'")
     if capture.server_url:
         gen = sglang_generate(capture.server_url, stop_ids, n, capture.concurrency, capture.spool_dir)
-        return regenerate_conversations(convs, tok, gen, path, data.max_length)
+        return regenerate_conversations(convs, tok, gen, path, data.max_length,
+                                        chunk=capture.regen_chunk, minutes=capture.regen_minutes)
     from capture.sglang_client import free_port, needs_remote_code, running_server, sglang_python
     from capture.sglang_server import SPOOL_ENV
 
@@ -380,4 +393,5 @@ def regenerated_data(target_dir: Path, target: TargetConfig, data: DataConfig, c
     env = {k: v for k, v in os.environ.items() if k != SPOOL_ENV}
     with running_server(cmd, env, path.with_suffix(".server.log"), port) as (url, _):
         gen = sglang_generate(url, stop_ids, n, capture.concurrency)
-        return regenerate_conversations(convs, tok, gen, path, data.max_length)
+        return regenerate_conversations(convs, tok, gen, path, data.max_length,
+                                        chunk=capture.regen_chunk, minutes=capture.regen_minutes)

@@ -104,6 +104,27 @@ def test_answers_are_greedy_generate_and_resume_skips_done_ids(tok, model, tmp_p
     assert [r["id"] for r in read(path)] == ["a", "b", "c", "d"]
 
 
+def test_a_time_limit_keeps_finished_chunks_and_a_rerun_completes_them(tok, model, tmp_path):
+    import time
+
+    stop_ids = R.end_of_turn_ids(tok)
+    gen = R.hf_generate(model, stop_ids, NEW, batch_size=4)
+
+    def slow(prompts):              # every round takes 0.3 s, so a one-conversation chunk >= 0.3 s
+        time.sleep(0.3)
+        return gen(prompts)
+
+    whole = tmp_path / "whole.jsonl"
+    R.regenerate_conversations(CONVS, tok, gen, whole, max_prompt_tokens=1024, progress=False, chunk=1)
+    path = tmp_path / "limited.jsonl"
+    # chunk 1 ("a", two rounds) runs ~0.6 s; at that pace chunk 2 would end past 1 s: stop there
+    R.regenerate_conversations(CONVS, tok, slow, path, max_prompt_tokens=1024, progress=False, chunk=1,
+                               minutes=1.0 / 60)
+    assert [r["id"] for r in read(path)] == ["a"]
+    R.regenerate_conversations(CONVS, tok, gen, path, max_prompt_tokens=1024, progress=False, chunk=1)
+    assert read(path) == read(whole)
+
+
 def test_a_prompt_at_max_length_ends_the_conversation(tok, model, tmp_path):
     stop_ids = R.end_of_turn_ids(tok)
     first = len(R.prompt_ids(tok, CONVS[0][1][:1]))

@@ -59,15 +59,15 @@ def prompts_prefix(regen_jsonl: Path, n_prompts: int) -> int:
     return 0
 
 
-def build_jobs(work: Path, dry: bool, gpus: int) -> List[Job]:
+def build_jobs(work: Path, dry: bool, gpus: int, regen_minutes: float = 0.0, regen_chunk: int = 4096) -> List[Job]:
     tiny = (["target=tiny_llama", "aux_layers=[2,3,4]", "data.num_samples=24", "train.steps=4",
              "train.batch_size=4", "drafter.draft_vocab_size=512", "capture.regen_max_new_tokens=8",
              "capture.regen_batch_size=8", "data.max_length=256"] if dry else [])
     ev_tiny = ["eval.num_prompts=2", "eval.max_new_tokens=8"] if dry else []
     runs = work / "runs"
 
-    def regen(exp):
-        return lambda: [PY, "-m", "capture", f"+experiment={exp}", "capture.regenerate_only=true", *tiny]
+    def regen(exp, *over):
+        return lambda: [PY, "-m", "capture", f"+experiment={exp}", "capture.regenerate_only=true", *over, *tiny]
 
     def train(exp, name, *over):
         return [PY, "train.py", f"+experiment={exp}", f"run_dir={runs / name}", "train.wandb=false", *over, *tiny]
@@ -76,6 +76,8 @@ def build_jobs(work: Path, dry: bool, gpus: int) -> List[Job]:
         def cmd():
             path = _regen_path_from_log(work / "logs" / "regen_all.log")
             n = prompts_prefix(path, n_prompts) if n_prompts else 0
+            if n_prompts and not n:
+                raise RuntimeError(f"{path} holds fewer than {n_prompts} answered prompts")
             print(f"[proof] {name}: {n or 'all'} conversations for {n_prompts or 'all'} prompts", flush=True)
             return train("smollm2_scale", name, "data.source=jsonl", f"data.path={path}", f"data.num_samples={n}",
                          "capture.regenerate=false", *over)
@@ -88,10 +90,15 @@ def build_jobs(work: Path, dry: bool, gpus: int) -> List[Job]:
             "peer_lr1e-3_original": ["optim.lr=1e-3", "capture.regenerate=false"],
             "peer_lr1e-3_vd4096": ["optim.lr=1e-3", "drafter.draft_vocab_size=4096"]}
     scale = {"scale_8k": 8000, "scale_20k": 20000, "scale_all": 0}
+    if dry:                                                     # tiny: 8 and 20 prompts
+        scale = {k: v // 1000 for k, v in scale.items()}
     scale_lr = {"scale_all_lr3e-4": ["optim.lr=3e-4"]}
-    # Regeneration runs alone: beside six trainings it managed 4,096 conversations per GPU in 447 s
+    # Regeneration beside six trainings managed only 4,096 conversations per GPU in 447 s: regen_peer
+    # runs alone; regen_all shares its GPUs with at most per_gpu - 1 other jobs, and with
+    # --regen-minutes it stops starting chunks in time (the scale runs then train on what it answered)
     jobs = [Job("regen_peer", regen("smollm2_peer"), gpus=0, exclusive=True),
-            Job("regen_all", regen("smollm2_scale"), deps=["regen_peer"], gpus=0, exclusive=True)]
+            Job("regen_all", regen("smollm2_scale", f"capture.regen_minutes={regen_minutes}",
+                                   f"capture.regen_chunk={regen_chunk}"), deps=["regen_peer"], gpus=0)]
     jobs += [Job(n, train("smollm2_peer", n, *o), deps=["regen_peer"]) for n, o in peer.items()]
     jobs += [Job(n, scale_train(n, k), deps=["regen_all"]) for n, k in scale.items()]
     jobs += [Job(n, scale_train(n, 0, *o), deps=["regen_all"]) for n, o in scale_lr.items()]
@@ -138,6 +145,8 @@ def main() -> None:
     ap.add_argument("--dry-run", action="store_true")
     ap.add_argument("--per-gpu", type=int, default=4)
     ap.add_argument("--only", default="", help="comma-separated job names (and nothing else)")
+    ap.add_argument("--regen-minutes", type=float, default=0.0, help="regen_all: time limit (0 = none)")
+    ap.add_argument("--regen-chunk", type=int, default=4096, help="regen_all: conversations answered together")
     args = ap.parse_args()
     import torch
 
@@ -147,7 +156,7 @@ def main() -> None:
     status_path = work / "status.json"
     done = {k for k, v in json.loads(status_path.read_text()).items() if v["state"] == "ok"} \
         if status_path.exists() else set()
-    jobs = build_jobs(work, args.dry_run, gpus)
+    jobs = build_jobs(work, args.dry_run, gpus, args.regen_minutes, args.regen_chunk)
     if args.only:
         keep = set(args.only.split(","))
         jobs = [j for j in jobs if j.name in keep]
