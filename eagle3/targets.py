@@ -15,6 +15,7 @@ tensors lazily from the safetensors checkpoint, so a 1 TB target costs two tenso
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import importlib.util
@@ -233,11 +234,28 @@ def default_aux_layers(num_layers: int) -> list[int]:
     return [2, num_layers // 2, num_layers - 3]
 
 
+@contextlib.contextmanager
+def _whole_even_under_zero3():
+    """While a ZeRO-3 run is set up (accelerate registers its DeepSpeed config with transformers),
+    from_pretrained builds every model inside deepspeed.zero.Init, i.e. with its weights
+    partitioned into 1-D placeholders that only DeepSpeed's engine gathers. The target is frozen
+    and runs outside that engine (capture, online features, regeneration): it is loaded whole."""
+    from transformers.integrations import deepspeed as hf_ds
+
+    ref = hf_ds._hf_deepspeed_config_weak_ref
+    hf_ds._hf_deepspeed_config_weak_ref = None
+    try:
+        yield
+    finally:
+        hf_ds._hf_deepspeed_config_weak_ref = ref
+
+
 def load_target_model(model_dir: str | Path, dtype: torch.dtype, device: str, trust_remote_code: bool = False):
     """The transformers CausalLM in eval mode, no gradients."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, trust_remote_code=trust_remote_code)
+    with _whole_even_under_zero3():
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, trust_remote_code=trust_remote_code)
     model.to(device).eval()
     model.requires_grad_(False)
     return model

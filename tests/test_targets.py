@@ -193,3 +193,26 @@ def test_smollm2_gguf_cached_and_faithful():
         assert torch.equal(saved(ids).logits, ref(ids).logits)
     embed, lm_head = load_head(d)
     assert torch.equal(embed, ref.model.embed_tokens.weight) and lm_head is embed
+
+
+def test_target_loads_whole_while_a_zero3_run_is_set_up():
+    """accelerate registers a ZeRO-3 config with transformers before capture or online training
+    loads the target; from_pretrained would then partition it (1-D placeholder weights, which broke
+    in-process capture under dist=zero3 on a GPU). The target must load whole and equal to its file."""
+    from transformers.integrations.deepspeed import HfDeepSpeedConfig, is_deepspeed_zero3_enabled
+
+    arch, rc = _tiny("tiny_llama")
+    d = resolve_target("random", "", "tiny_llama", arch, rc, seed=0)
+    ds = HfDeepSpeedConfig({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1})
+    assert is_deepspeed_zero3_enabled()
+    try:
+        model = load_target_model(d, torch.float32, "cpu")
+        assert is_deepspeed_zero3_enabled()              # the training's own setting is left alone
+    finally:
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+        unset_hf_deepspeed_config()
+    w = _weights(d)
+    params = dict(model.named_parameters())
+    assert params["model.embed_tokens.weight"].shape == w["model.embed_tokens.weight"].shape
+    assert all(torch.equal(params[k], w[k]) for k in w if k in params)
+    del ds
