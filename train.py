@@ -21,7 +21,7 @@ import hydra
 import torch
 from omegaconf import OmegaConf
 
-from eagle3 import checkpoint, config as config_schema
+from eagle3 import checkpoint, config as config_schema, fused
 from eagle3.engine_ids import check_aux_layers
 from eagle3.export import export_drafter
 from eagle3.data import is_heldout
@@ -84,6 +84,7 @@ def main(cfg) -> None:
     acc = Accelerator(cpu=not use_cuda, mixed_precision=mixed, deepspeed_plugin=ds_plugin)
     device, rank, world = acc.device, acc.process_index, acc.num_processes
     is_main = acc.is_main_process
+    fused.set_enabled(c.train.compile)
     torch.manual_seed(c.train.seed)
 
     if is_main and not c.resume:

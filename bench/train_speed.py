@@ -4,6 +4,11 @@
     python bench/train_speed.py --hidden 64 --intermediate 128 --heads 4 --kv-heads 2 --head-dim 16 \
         --vocab 1000 --draft-vocab 256 --seq 128 --ttt 7 --steps 5 --device cpu --dtype fp32
     python bench/train_speed.py --preset kimi --seq 2048 --steps 20 --device cuda --dtype bf16
+    python bench/train_speed.py --preset kimi --seq 2048 --device cuda --dtype bf16 --compile both
+
+--compile: whether eagle3/fused.py's elementwise chains run through torch.compile (auto: on a GPU
+only, the library's default); `both` measures eager then compiled in one process, same dims, same
+seed. The warm-up line gives the warm-up steps' time, which includes compiling.
 
 Precision: fp32 = everything fp32; bf16 = fp32 master weights and AdamW states, compute under
 torch.autocast(bfloat16) (what accelerate's bf16 mixed precision does in train.py), features,
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import resource
 import statistics
 import sys
@@ -36,6 +42,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from eagle3 import fused  # noqa: E402
 from eagle3.loss import ttt_loss  # noqa: E402
 from eagle3.model import DrafterShape, Eagle3Drafter  # noqa: E402
 from eagle3.vocab import DraftVocab  # noqa: E402
@@ -63,6 +70,8 @@ def parse_args():
     ap.add_argument("--clip", type=float, default=0.5)
     ap.add_argument("--peak-tflops", type=float, help="default: measured matmul throughput")
     ap.add_argument("--profile", action="store_true", help="print where one step's time goes")
+    ap.add_argument("--compile", choices=["auto", "on", "off", "both"], default="auto",
+                    help="fused elementwise kernels through torch.compile (see the module doc)")
     args = ap.parse_args()
     for key, value in PRESETS.get(args.preset, {}).items():
         if getattr(args, key) is None:
@@ -101,17 +110,22 @@ def profile_step(run_step, device, rows: int = 25):
         run_step()
         sync(device)
     key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    events = [e for e in prof.key_averages() if getattr(e, key) > 0]
-    total = sum(getattr(e, key) for e in events)
+    if device.type == "cuda":
+        # the kernels themselves: key_averages() also gives the aten op that launched a kernel
+        # the kernel's device time, so summing its rows counts every kernel twice
+        from torch.autograd import DeviceType
+        events = [(e.name, e.time_range.elapsed_us()) for e in prof.events() if e.device_type == DeviceType.CUDA]
+    else:
+        events = [(e.key, getattr(e, key)) for e in prof.key_averages() if getattr(e, key) > 0]
+    total = sum(t for _, t in events)
     groups = {"matmul": ("gemm", "matmul", "mm", "addmm", "linear", "cutlass", "sm90_xmma", "nvjet"),
               "attention": ("flash", "fmha", "attention"),
               "copy/cast": ("copy", "cast", "to_copy", "cat", "index", "gather", "scatter")}
     share = {g: 0.0 for g in groups}
-    for e in events:
-        name = e.key.lower()
+    for name, t in events:
         for g, words in groups.items():
-            if any(w in name for w in words):
-                share[g] += getattr(e, key)
+            if any(w in name.lower() for w in words):
+                share[g] += t
                 break
     print(f"profile       {total / 1e3:.1f} ms of kernel time in one step; " + ", ".join(
         f"{g} {v / 1e3:.1f} ms ({v / max(total, 1):.0%})" for g, v in share.items())
@@ -160,15 +174,8 @@ def synthetic_batch(s: DrafterShape, B, T, device, dtype, gen):
     return batch, head.to(device, dtype), DraftVocab(d2t, t2d).to(device)
 
 
-def main():
-    args = parse_args()
-    device = torch.device(args.device)
-    cdtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    shape = DrafterShape(hidden_size=args.hidden, intermediate_size=args.intermediate,
-                         num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-                         head_dim=args.head_dim, vocab_size=args.vocab,
-                         draft_vocab_size=args.draft_vocab, target_hidden_size=args.target_hidden,
-                         num_aux=args.num_aux, max_position_embeddings=max(4096, args.seq + args.ttt))
+def measure(args, shape: DrafterShape, device, cdtype):
+    """Build the model and optimizer, run --warmup then --steps full steps, print the results."""
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     with torch.device(device):
@@ -195,6 +202,8 @@ def main():
         opt.zero_grad(set_to_none=True)
 
     step_ms, fwd_bwd_ms, counted = [], [], 0.0
+    sync(device)
+    t_start = time.perf_counter()
     for i in range(args.warmup + args.steps):
         sync(device)
         t0 = time.perf_counter()
@@ -204,6 +213,8 @@ def main():
         optimizer_step()
         sync(device)
         t2 = time.perf_counter()
+        if i == args.warmup - 1:
+            warmup_s = t2 - t_start
         if i >= args.warmup:
             step_ms.append(1e3 * (t2 - t0))
             fwd_bwd_ms.append(1e3 * (t1 - t0))
@@ -218,16 +229,13 @@ def main():
         mem = f"{torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB (max allocated)"
     else:
         mem = f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB (process max RSS)"
-    print(f"device        {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}"
-          f"  torch {torch.__version__}  dtype {args.dtype}")
-    print(f"shape         {shape}")
-    print(f"params        {shape.num_trainable() / 1e6:.1f}M trainable "
-          f"(+{shape.vocab_size * shape.hidden_size / 1e6:.1f}M frozen embedding)")
     print(f"batch         {args.batch} x {args.seq} tokens, TTT {args.ttt}, "
           f"step-0 counted rows {counted:.1%}")
     print(f"ms/step       {ms:.1f} median of {len(step_ms)} "
           f"(forward+backward {statistics.median(fwd_bwd_ms):.1f}, "
           f"clip+optimizer {ms - statistics.median(fwd_bwd_ms):.1f})")
+    if args.warmup:
+        print(f"warm-up       {warmup_s:.1f} s for {args.warmup} step(s) (compiling included)")
     print(f"tokens/s      {tokens / ms * 1e3:,.0f}")
     print(f"peak memory   {mem}")
     print(f"FLOPs/step    {flops / 1e12:.4g} TFLOP nominal, {done_flops(shape, args.batch, args.seq, args.ttt) / 1e12:.4g} done (train, see module doc); teacher "
@@ -237,6 +245,31 @@ def main():
 
     if args.profile:
         profile_step(lambda: (forward_backward(), optimizer_step()), device)
+
+
+def main():
+    args = parse_args()
+    device = torch.device(args.device)
+    cdtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    shape = DrafterShape(hidden_size=args.hidden, intermediate_size=args.intermediate,
+                         num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                         head_dim=args.head_dim, vocab_size=args.vocab,
+                         draft_vocab_size=args.draft_vocab, target_hidden_size=args.target_hidden,
+                         num_aux=args.num_aux, max_position_embeddings=max(4096, args.seq + args.ttt))
+    print(f"device        {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}"
+          f"  torch {torch.__version__}  dtype {args.dtype}")
+    print(f"shape         {shape}")
+    print(f"params        {shape.num_trainable() / 1e6:.1f}M trainable "
+          f"(+{shape.vocab_size * shape.hidden_size / 1e6:.1f}M frozen embedding)")
+    modes = {"auto": [None], "on": [True], "off": [False], "both": [False, True]}[args.compile]
+    for flag in modes:
+        fused.set_enabled(flag)
+        print(f"compile       {args.compile if flag is None else ('on' if flag else 'off')}"
+              " (eagle3/fused.py's elementwise functions through torch.compile)")
+        measure(args, shape, device, cdtype)
+        gc.collect()                            # the model and optimizer go before the next mode
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

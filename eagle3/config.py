@@ -92,6 +92,7 @@ class TrainConfig:
     save_every: int = 500
     seed: int = 0
     device: str = "auto"                      # auto: cuda when available
+    compile: Optional[bool] = None            # fused elementwise kernels (eagle3/fused.py); null: on a GPU only
     wandb: bool = True
 
 

@@ -51,6 +51,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from eagle3.fused import fused
 from eagle3.model import Eagle3Drafter
 from eagle3.vocab import DraftVocab
 
@@ -106,17 +107,31 @@ class _SoftCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, z, p, rows):
-        f = torch.promote_types(z.dtype, p.dtype)
-        zf = z.to(f)
-        lse = zf.logsumexp(-1)
+        ce, lse = _soft_ce(z, p, rows)
         ctx.save_for_backward(z, p, rows, lse)
-        return lse - (p[rows] * zf).sum(-1)
+        return ce
 
     @staticmethod
     def backward(ctx, g):
         z, p, rows, lse = ctx.saved_tensors
-        dz = ((z.to(lse.dtype) - lse[:, None]).exp() - p[rows]) * g[:, None]
-        return dz.to(z.dtype), None, None
+        return _soft_ce_grad(z, p, rows, lse, g), None, None
+
+
+# Both directions fused on a GPU (eagle3/fused.py): the fp32 work over [N, Vd] and the gather of
+# the teacher rows stay inside one kernel instead of fp32 copies of z and of p[rows].
+@fused
+def _soft_ce(z, p, rows):
+    """z [N, Vd], p [R, Vd], rows [N] -> (ce [N], lse [N]) in fp32+."""
+    zf = z.to(torch.promote_types(z.dtype, p.dtype))
+    lse = zf.logsumexp(-1)
+    return lse - (p[rows] * zf).sum(-1), lse
+
+
+@fused
+def _soft_ce_grad(z, p, rows, lse, g):
+    """dce/dz [N, Vd] in z's dtype, for the upstream gradient g [N]."""
+    dz = ((z.to(lse.dtype) - lse[:, None]).exp() - p[rows]) * g[:, None]
+    return dz.to(z.dtype)
 
 
 def ttt_loss(drafter: Eagle3Drafter, input_ids: torch.Tensor, loss_mask: torch.Tensor,

@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eagle3.fused import fused
+
 
 @dataclass
 class DrafterShape:
@@ -132,13 +134,19 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Statistics in (at least) fp32 whatever the compute dtype, as SGLang's and HF's RMSNorm.
-        xf = x.to(_at_least_fp32(x.dtype))
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        # the product rounded back to x's dtype: what its consumer (a bf16 matmul) reads anyway
-        return (self.weight * xf.to(x.dtype)).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
+@fused
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Statistics in (at least) fp32 whatever the compute dtype, as SGLang's and HF's RMSNorm.
+    xf = x.to(_at_least_fp32(x.dtype))
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    # the product rounded back to x's dtype: what its consumer (a bf16 matmul) reads anyway
+    return (weight * xf.to(x.dtype)).to(x.dtype)
+
+
+@fused
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """Llama (NeoX-style, rotate-half) rotary embedding. x [B, n, T, d], positions [B, T] int."""
     d, dt = x.shape[-1], _at_least_fp32(x.dtype)
@@ -217,19 +225,14 @@ class _Attention(torch.autograd.Function):
         """q [B, n, Tq, d]; k, v [B, n, Tk, d], Tk >= Tq; extra: S keys then S values
         [B, n, Tq, d] each. Query i sees keys j <= Tk - Tq + i and its own row of every extra key."""
         S, (B, n, Tq, d), Tk = len(extra) // 2, q.shape, k.shape[2]
-        scale, L, f = d ** -0.5, Tk - Tq, _at_least_fp32(q.dtype)
+        scale, L = d ** -0.5, Tk - Tq
         blocks = [(0, L, False)] if L else []            # cached rows: all visible
         blocks.append((L, Tk, True))                     # this call's rows: causal
         outs, lses, states = [], [], []
         for a, b, causal in blocks:
             o, lse, st = _block_forward(q, k[:, :, a:b], v[:, :, a:b], causal, scale)
             outs, lses, states = outs + [o], lses + [lse], states + [st]
-        qf = q.to(f)
-        own = [(qf * ek.to(f)).sum(-1) * scale for ek in extra[:S]]        # S x [B, n, Tq]
-        lse = torch.stack(lses + own, -1).logsumexp(-1)                    # [B, n, Tq]
-        out = sum((l - lse).exp()[..., None] * o.to(f) for l, o in zip(lses, outs))
-        out = out + sum((s - lse).exp()[..., None] * ev.to(f) for s, ev in zip(own, extra[S:]))
-        out = out.to(q.dtype)
+        out, lse = _merge(q, lses, outs, list(extra[:S]), list(extra[S:]), scale)
         ctx.save_for_backward(q, k, v, out, lse, *lses, *extra)
         ctx.blocks, ctx.states, ctx.S, ctx.scale = blocks, states, S, scale
         return out
@@ -239,25 +242,55 @@ class _Attention(torch.autograd.Function):
         q, k, v, out, lse, *rest = ctx.saved_tensors
         nb, S, scale = len(ctx.blocks), ctx.S, ctx.scale
         lses, ek, ev = rest[:nb], rest[nb:nb + S], rest[nb + S:]
-        f = lse.dtype
         dout = dout.contiguous()
-        dq, dk, dv = torch.zeros_like(q, dtype=f), [], []
-        for (a, b, causal), l, st in zip(ctx.blocks, lses, ctx.states):
-            g = ((l - lse).exp()[..., None] * dout.to(f)).to(dout.dtype)
+        dqs, dk, dv = [], [], []
+        for (a, b, causal), l, st, g in zip(ctx.blocks, lses, ctx.states,
+                                            _merge_grads(dout, lse, list(lses))):
             dqb, dkb, dvb = _block_backward(g, q, k[:, :, a:b], v[:, :, a:b], out, l, causal,
                                             scale, st)
-            dq, dk, dv = dq + dqb.to(f), dk + [dkb], dv + [dvb]
-        qf, df = q.to(f), dout.to(f)
-        dsum = (df * out.to(f)).sum(-1)                                    # D [B, n, Tq]
-        dek, dev = [], []
-        for kr, vr in zip(ek, ev):
-            p = ((qf * kr.to(f)).sum(-1) * scale - lse).exp()                # [B, n, Tq]
-            ds = p * ((df * vr.to(f)).sum(-1) - dsum)
-            dq = dq + scale * ds[..., None] * kr.to(f)
-            dek.append((scale * ds[..., None] * qf).to(kr.dtype))
-            dev.append((p[..., None] * df).to(vr.dtype))
-        return (dq.to(q.dtype), torch.cat(dk, 2) if nb > 1 else dk[0],
+            dqs, dk, dv = dqs + [dqb], dk + [dkb], dv + [dvb]
+        dq, dek, dev = _merge_backward(dout, out, q, lse, dqs, list(ek), list(ev), scale)
+        return (dq, torch.cat(dk, 2) if nb > 1 else dk[0],
                 torch.cat(dv, 2) if nb > 1 else dv[0], *dek, *dev)
+
+
+# The merge's elementwise work, fused on a GPU (eagle3/fused.py): all in (at least) fp32 over
+# [B, n, Tq, d], one kernel instead of an fp32 copy per operand and per op.
+@fused
+def _merge(q, lses, outs, eks, evs, scale: float):
+    """Blocks' (lse [B, n, Tq], out [B, n, Tq, d]) and the own keys/values eks, evs [B, n, Tq, d]
+    -> (out [B, n, Tq, d] in q's dtype, lse [B, n, Tq] fp32+) of the softmax over all of them."""
+    f = _at_least_fp32(q.dtype)
+    qf = q.to(f)
+    own = [(qf * ek.to(f)).sum(-1) * scale for ek in eks]                  # S x [B, n, Tq]
+    lse = torch.stack(lses + own, -1).logsumexp(-1)                        # [B, n, Tq]
+    out = sum((l - lse).exp()[..., None] * o.to(f) for l, o in zip(lses, outs))
+    out = out + sum((s - lse).exp()[..., None] * ev.to(f) for s, ev in zip(own, evs))
+    return out.to(q.dtype), lse
+
+
+@fused
+def _merge_grads(dout, lse, lses):
+    """w * dOut per block (w = exp(lse_block - lse)), in dout's dtype: its flash backward's input."""
+    f = lse.dtype
+    return [((l - lse).exp()[..., None] * dout.to(f)).to(dout.dtype) for l in lses]
+
+
+@fused
+def _merge_backward(dout, out, q, lse, dqs, eks, evs, scale: float):
+    """dqs: the blocks' dq -> (dq, dks, dvs of the own keys/values), dq summed in fp32+."""
+    f = lse.dtype
+    qf, df = q.to(f), dout.to(f)
+    dsum = (df * out.to(f)).sum(-1)                                        # D [B, n, Tq]
+    dq = sum(d.to(f) for d in dqs)
+    dek, dev = [], []
+    for kr, vr in zip(eks, evs):
+        p = ((qf * kr.to(f)).sum(-1) * scale - lse).exp()                    # [B, n, Tq]
+        ds = p * ((df * vr.to(f)).sum(-1) - dsum)
+        dq = dq + scale * ds[..., None] * kr.to(f)
+        dek.append((scale * ds[..., None] * qf).to(kr.dtype))
+        dev.append((p[..., None] * df).to(vr.dtype))
+    return dq.to(q.dtype), dek, dev
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extra_k=(), extra_v=()) -> torch.Tensor:
@@ -332,7 +365,12 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+
+
+@fused
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
 
 
 class DecoderLayer(nn.Module):

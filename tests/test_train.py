@@ -125,3 +125,17 @@ def test_online_training_sees_the_same_batches_as_offline(tiny_run, tmp_path):
     # counted rows depend on the teacher's argmax, which bf16 storage may flip at a near-tie
     assert [r["tokens"] for r in on] == pytest.approx([r["tokens"] for r in off], rel=0.05)
     assert [r["loss"] for r in on] == pytest.approx([r["loss"] for r in off], rel=2e-3)
+
+
+@pytest.mark.slow
+def test_train_compile_true_matches_eager(tiny_run, tmp_path):
+    """train.compile=true (the GPU default) runs the fused elementwise kernels through inductor, here
+    on the CPU: the same losses as the eager loop within float reordering."""
+    common = ["+experiment=tiny", f"data.features_dir={tiny_run}/features", "train.steps=3", "train.log_every=1",
+              "train.save_every=100", "train.eval_every=100"]
+    run_train(*common, f"run_dir={tmp_path}/eager", "train.compile=false")
+    run_train(*common, f"run_dir={tmp_path}/compiled", "train.compile=true")
+    eager = [r["loss"] for r in metrics(tmp_path / "eager") if r["split"] == "train"]
+    compiled = [r["loss"] for r in metrics(tmp_path / "compiled") if r["split"] == "train"]
+    assert len(eager) == len(compiled) == 3
+    assert compiled == pytest.approx(eager, rel=1e-5)

@@ -1,0 +1,138 @@
+"""The fused (torch.compile) elementwise functions against their own eager function, compiled by
+inductor on the CPU: forward and backward, fp32 and bf16; and the whole ttt_loss compiled against
+eager on a tiny drafter. Eager itself is checked against independent references in
+tests/test_loss.py and tests/test_model.py.
+
+Tolerances, per element, as a share of the larger of |eager| and the tensor's largest |eager|:
+fp32 1e-5 (the compiled kernel may reorder a reduction); bf16 2**-7, one or two bf16 ulps (compiled
+rounds to bf16 once where eager rounds after each op, and a sum of such terms, e.g. RMSNorm's
+weight gradient, carries that ulp of its largest term)."""
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from eagle3 import fused
+from eagle3.loss import _soft_ce, _soft_ce_grad, ttt_loss
+from eagle3.model import _merge, _merge_backward, _merge_grads, rms_norm, rope, silu_mul
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2 ** -7}
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture
+def compiled():
+    """Calls through `fused` functions compile (CPU included) inside the test; asserts they did."""
+    torch.manual_seed(0)
+    previous = fused.set_enabled(True)
+    before = counters["stats"]["calls_captured"]
+    yield
+    fused.set_enabled(previous)
+    assert counters["stats"]["calls_captured"] > before, "nothing was compiled"
+
+
+def eager_and_compiled(fn, *args):
+    """fn's results (and, where they require grad, the inputs' gradients for a random upstream
+    gradient) eager, then compiled."""
+    results = []
+    for enabled in (False, True):
+        fused.set_enabled(enabled)
+        leaves = [a.detach().clone().requires_grad_(a.requires_grad)
+                  if isinstance(a, torch.Tensor) else a for a in args]
+        out = fn(*leaves)
+        grads = []
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            g = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
+            grads = torch.autograd.grad(out, [a for a in leaves if isinstance(a, torch.Tensor)
+                                               and a.requires_grad], g)
+        results.append((out, grads))
+    fused.set_enabled(True)
+    return results
+
+
+def close(eager, comp, dtype):
+    tol = TOL[dtype]
+    torch.testing.assert_close(comp, eager, rtol=tol, atol=tol * eager.abs().max().item())
+
+
+def rand(*shape, dtype=torch.float32, grad=False):
+    return torch.randn(*shape).to(dtype).requires_grad_(grad)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_differentiable_functions(compiled, dtype):
+    x = rand(2, 5, 32, dtype=dtype, grad=True)
+    w = rand(32, grad=True)                      # fp32 master weight, as under autocast
+    (ye, ge), (yc, gc) = eager_and_compiled(rms_norm, x, w, 1e-6)
+    close(ye, yc, dtype)
+    close(ge[0], gc[0], dtype)
+    close(ge[1].float(), gc[1].float(), dtype)
+
+    q = rand(2, 3, 5, 16, dtype=dtype, grad=True)
+    positions = torch.arange(5).expand(2, 5) + 3
+    (ye, ge), (yc, gc) = eager_and_compiled(rope, q, positions, 1000.0)
+    close(ye, yc, dtype)
+    close(ge[0], gc[0], dtype)
+
+    (ye, ge), (yc, gc) = eager_and_compiled(silu_mul, rand(2, 5, 24, dtype=dtype, grad=True),
+                                            rand(2, 5, 24, dtype=dtype, grad=True))
+    close(ye, yc, dtype)
+    for a, b in zip(ge, gc):
+        close(a, b, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_merge(compiled, dtype):
+    B, n, T, d, S = 2, 3, 5, 16, 2
+    q = rand(B, n, T, d, dtype=dtype)
+    lses, outs = [rand(B, n, T)], [rand(B, n, T, d, dtype=dtype)]
+    eks = [rand(B, n, T, d, dtype=dtype) for _ in range(S)]
+    evs = [rand(B, n, T, d, dtype=dtype) for _ in range(S)]
+    (oe, le), _ = eager_and_compiled(_merge, q, lses, outs, eks, evs, d ** -0.5)[0]
+    (oc, lc), _ = eager_and_compiled(_merge, q, lses, outs, eks, evs, d ** -0.5)[1]
+    close(oe, oc, dtype)
+    close(le, lc, torch.float32)                 # lse is fp32 in both
+
+    dout = rand(B, n, T, d, dtype=dtype)
+    ge, gc = (r[0] for r in eager_and_compiled(_merge_grads, dout, le, lses))
+    close(ge[0], gc[0], dtype)
+    dqs = [rand(B, n, T, d, dtype=dtype)]
+    (dqe, dke, dve), (dqc, dkc, dvc) = (r[0] for r in eager_and_compiled(
+        _merge_backward, dout, oe, q, le, dqs, eks, evs, d ** -0.5))
+    close(dqe, dqc, dtype)
+    for a, b in zip(dke + dve, dkc + dvc):
+        close(a, b, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_soft_cross_entropy(compiled, dtype):
+    z = 3 * rand(6, 40, dtype=dtype)
+    p = torch.randn(9, 40).softmax(-1)
+    rows = torch.tensor([0, 2, 2, 5, 7, 8])
+    (ce_e, lse_e), (ce_c, lse_c) = (r[0] for r in eager_and_compiled(_soft_ce, z, p, rows))
+    close(ce_e, ce_c, torch.float32)             # fp32 statistics in both
+    close(lse_e, lse_c, torch.float32)
+    g = torch.rand(6)
+    dze, dzc = (r[0] for r in eager_and_compiled(_soft_ce_grad, z, p, rows, lse_e, g))
+    close(dze, dzc, dtype)
+
+
+def test_ttt_loss_compiled_matches_eager(compiled):
+    """The whole unrolled loss and every gradient, fp32, TTT 3 (merges over 0, 1 and 2 own keys)."""
+    from tests.test_loss import make_case
+    drafter, batch, vocab = make_case()
+    drafter.float()
+    batch = {k: v.float() if v.is_floating_point() else v for k, v in batch.items()}
+    results = []
+    for enabled in (False, True):
+        fused.set_enabled(enabled)
+        drafter.zero_grad(set_to_none=True)
+        out = ttt_loss(drafter, **batch, vocab=vocab, ttt_steps=3)
+        out.loss.backward()
+        results.append((out.loss.detach(), out.correct,
+                        {n: p.grad for n, p in drafter.named_parameters() if p.grad is not None}))
+    (le, ce, ge), (lc, cc, gc) = results
+    assert lc.item() == pytest.approx(le.item(), rel=1e-5)
+    assert torch.equal(ce, cc)
+    assert ge.keys() == gc.keys() and len(ge) == 13
+    for name in ge:
+        torch.testing.assert_close(gc[name], ge[name], rtol=1e-4, atol=1e-5, msg=name)
