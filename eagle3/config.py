@@ -108,7 +108,7 @@ class CaptureConfig:
     regenerate_only: bool = False             # python -m capture: write the answers (JSONL cache), no features
     regen_batch_size: int = 16                # prompts per batch (GPU: thousands; capped by free memory)
     regen_workers: int = 0                    # hf: processes answering in parallel, one per GPU (0 = one per visible GPU)
-    regen_chunk: int = 4096                   # conversations answered together, round by round, saved together
+    regen_chunk: int = 256                    # conversations answered together, round by round, saved together
     regen_minutes: float = 0.0                # > 0: start no chunk that would end later than this (rerun resumes)
     # sglang backend
     server_url: str = ""                      # use a running capture server instead of launching one
