@@ -224,7 +224,7 @@ class _Attention(torch.autograd.Function):
     def forward(ctx, q, k, v, *extra):
         """q [B, n, Tq, d]; k, v [B, n, Tk, d], Tk >= Tq; extra: S keys then S values
         [B, n, Tq, d] each. Query i sees keys j <= Tk - Tq + i and its own row of every extra key."""
-        S, (B, n, Tq, d), Tk = len(extra) // 2, q.shape, k.shape[2]
+        S, (Tq, d), Tk = len(extra) // 2, q.shape[2:], k.shape[2]
         scale, L = d ** -0.5, Tk - Tq
         blocks = [(0, L, False)] if L else []            # cached rows: all visible
         blocks.append((L, Tk, True))                     # this call's rows: causal
