@@ -18,8 +18,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from eagle3.features import (MANIFEST, Batch, FeatureDataset, FeatureWriter, make_meta, plan_shards,
-                             storage_dtype)
+from eagle3.features import (MANIFEST, Batch, FeatureDataset, FeatureWriter, check_storage, make_meta,
+                             plan_shards, storage_dtype)
 
 
 def decoder_parts(model: nn.Module) -> Tuple[nn.Module, nn.ModuleList]:
@@ -132,7 +132,7 @@ def _without(d: Dict[str, Any], key: str) -> Dict[str, Any]:
 
 def run_capture(model: nn.Module, samples: Sequence[Any], out_path, *, aux_layers: Sequence[int],
                 meta: Dict[str, Any], batch_tokens: int = 8192, shard_tokens: int = 262144,
-                dtype: str = "bfloat16", device=None, progress: bool = True) -> Path:
+                dtype: str = "bfloat16", device=None, progress: bool = True, aux_dtype: str = "") -> Path:
     """Capture every sample (objects with .id, .input_ids [T], .loss_mask [T]) into a feature dataset.
 
     Resumable: shards committed by an earlier run with the same meta/samples/settings are kept and
@@ -142,12 +142,13 @@ def run_capture(model: nn.Module, samples: Sequence[Any], out_path, *, aux_layer
     """
     out_path = Path(out_path)
     if (out_path / MANIFEST).exists():
-        FeatureDataset(out_path, expected=_without(meta, "engine"))
+        check_storage(FeatureDataset(out_path, expected=_without(meta, "engine")), dtype, aux_dtype)
         print(f"capture: {out_path} is complete; nothing to do")
         return out_path
     ids = [str(s.id) for s in samples]
     lengths = [len(s.input_ids) for s in samples]
-    writer = FeatureWriter(out_path, meta, ids, lengths, dtype=dtype, shard_tokens=shard_tokens)
+    writer = FeatureWriter(out_path, meta, ids, lengths, dtype=dtype, shard_tokens=shard_tokens,
+                           aux_dtype=aux_dtype)
     pending = writer.pending_shards()
     if len(pending) < len(writer.plan):
         print(f"capture: resuming {writer.partial}: {len(writer.plan) - len(pending)} of "

@@ -67,7 +67,7 @@ def capture_features(target_dir: Path, aux_layers: Sequence[int], target: Target
               f"-> {out_dir}")
         return run_capture(model, train + held, out_dir, aux_layers=aux_layers, meta=meta,
                            batch_tokens=capture.batch_tokens, shard_tokens=capture.shard_tokens,
-                           dtype=capture.dtype, device=device)
+                           dtype=capture.dtype, device=device, aux_dtype=capture.aux_dtype)
     if capture.backend == "sglang":
         from capture.sglang_client import capture_sglang
         return capture_sglang(target_dir, info, tok, train + held, aux_layers, capture, data_meta, out_dir)

@@ -37,7 +37,7 @@ import torch
 from capture.sglang_plugin import SGLANG_VERSION, safe_rid
 from capture.sglang_server import capture_server_cmd, capture_server_env, free_port, launch, log_tail, stop
 from eagle3.config import CaptureConfig
-from eagle3.features import MANIFEST, FeatureDataset, FeatureWriter, make_meta
+from eagle3.features import MANIFEST, FeatureDataset, FeatureWriter, check_storage, make_meta
 
 SGLANG_PYTHON_ENV = "EAGLE3_SGLANG_PYTHON"
 SERVER_START_TIMEOUT = 3600.0     # Kimi-K2.5 takes many minutes to load on 8 GPUs
@@ -366,7 +366,7 @@ def capture_sglang(target_dir: Path, info, tok, samples: Sequence[Any], aux_laye
 
     if (out_dir / MANIFEST).exists():
         expected = {k: v for k, v in meta_of("").items() if k != "engine"}
-        FeatureDataset(out_dir, expected=expected)
+        check_storage(FeatureDataset(out_dir, expected=expected), capture.dtype, capture.aux_dtype)
         print(f"capture: {out_dir} is complete; nothing to do")
         return out_dir
     with contextlib.ExitStack() as stack:
@@ -382,7 +382,8 @@ def capture_sglang(target_dir: Path, info, tok, samples: Sequence[Any], aux_laye
         version = server_version(url) or SGLANG_VERSION
         ids = [str(s.id) for s in samples]
         writer = FeatureWriter(out_dir, meta_of(version), ids, [len(s.input_ids) for s in samples],
-                               dtype=capture.dtype, shard_tokens=capture.shard_tokens)
+                               dtype=capture.dtype, shard_tokens=capture.shard_tokens,
+                               aux_dtype=capture.aux_dtype)
         n_pending = len(writer.pending_shards())
         if n_pending < len(writer.plan):
             print(f"capture: resuming {writer.partial}: {len(writer.plan) - n_pending} of "

@@ -102,6 +102,7 @@ class CaptureConfig:
     batch_tokens: int = 8192                  # hf: tokens per forward batch (padded)
     shard_tokens: int = 262144                # samples are cut into shards of about this many tokens
     dtype: str = "bfloat16"                   # feature storage dtype
+    aux_dtype: str = ""                       # aux storage when different: float8_e4m3fn (row-scaled, 37.5% fewer bytes)
     device: str = "auto"
     regenerate: bool = False                  # answer the prompts with the target first (on-policy data)
     regen_max_new_tokens: int = 256

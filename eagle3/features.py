@@ -9,8 +9,14 @@ concatenated along tokens:
     final     [N, H]        what the LM head consumes: target logits = final @ lm_head.weight.T
     loss_mask [N]   uint8   1 on assistant tokens
 
-Tensors sit in that order in the file, so every one starts aligned to its element size and can be
-viewed straight out of the memory map. The writer fixes every shard's layout up front from the
+aux and final are stored in the capture's dtype (bfloat16 by default). With aux_dtype
+float8_e4m3fn, aux is stored in fp8 with one fp32 scale per row and aux state, `aux_scale [N, k]`
+(the row's largest magnitude / 448, the e4m3 maximum), and read back as bf16: 37.5% fewer bytes at
+Kimi-K2.5 dims for +0.01% of TTT loss (docs/perf.md). final stays 16-bit: it is the teacher, and in
+fp8 the target's argmax moves on 3% of rows.
+
+Tensors sit in the file in descending element size, so every one starts aligned to its element
+size and can be viewed straight out of the memory map. The writer fixes every shard's layout up front from the
 ordered sample list (plan_shards), writes each sample at its place, and commits a shard by renaming
 it; so shards do not depend on the order samples arrive in, and a killed capture that resumes ends
 byte-identical to one that never stopped.
@@ -21,7 +27,6 @@ import hashlib
 import json
 import os
 import shutil
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
@@ -29,28 +34,14 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
-FORMAT = "eagle3-features"
-FORMAT_VERSION = 1
+from eagle3.shards import (AUX_DTYPES, FLOAT_DTYPES, FORMAT, FORMAT_VERSION, FP8, FeatureDatasetError,
+                           OpenShard, check_shard, dequantize_fp8, np_bytes, quantize_fp8, shard_name,
+                           tensor_views)
+
 AUX_MEANING = ("residual stream entering decoder layer i = transformers output_hidden_states[i] "
                "(hidden_states + residual in engines that keep the residual separate)")
 PROGRESS = "progress.json"
 MANIFEST = "manifest.json"
-
-# storage dtype name -> (torch dtype, safetensors dtype, numpy dtype the bytes are viewed as)
-_FLOAT = {
-    "bfloat16": (torch.bfloat16, "BF16", np.int16),
-    "float16": (torch.float16, "F16", np.float16),
-    "float32": (torch.float32, "F32", np.float32),
-}
-_NP = {"BF16": np.int16, "F16": np.float16, "F32": np.float32,
-       "I64": np.int64, "I32": np.int32, "U8": np.uint8}
-_FIXED = {"offsets": "I64", "input_ids": "I32", "loss_mask": "U8"}
-_ORDER = ("offsets", "input_ids", "aux", "final", "loss_mask")   # descending alignment
-
-
-class FeatureDatasetError(Exception):
-    """A feature dataset on disk is missing, truncated, malformed or not the one expected."""
-
 
 # ----------------------------------------------------------------------------- planning / meta
 
@@ -97,9 +88,9 @@ def make_meta(*, target_name: str, target_fingerprint: str, arch: str, aux_layer
 
 def storage_dtype(name: str) -> torch.dtype:
     """The torch dtype features are stored in ("bfloat16" | "float16" | "float32")."""
-    if name not in _FLOAT:
-        raise ValueError(f"dtype {name!r}: expected one of {sorted(_FLOAT)}")
-    return _FLOAT[name][0]
+    if name not in FLOAT_DTYPES:
+        raise ValueError(f"dtype {name!r}: expected one of {sorted(FLOAT_DTYPES)}")
+    return FLOAT_DTYPES[name][0]
 
 
 def _flatten(d: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
@@ -135,56 +126,6 @@ def check_compatible(manifest: Dict[str, Any], expected: Dict[str, Any], where: 
         raise FeatureDatasetError(f"feature dataset {where or ''} does not match: " + "; ".join(bad))
 
 
-# ----------------------------------------------------------------------------- shard layout
-
-def _layout(num_samples: int, num_tokens: int, num_aux: int, hidden: int, float_st: str):
-    """Header dict and total byte-buffer size of a shard with these sizes (deterministic)."""
-    shapes = {"offsets": [num_samples + 1], "input_ids": [num_tokens],
-              "aux": [num_tokens, num_aux * hidden], "final": [num_tokens, hidden],
-              "loss_mask": [num_tokens]}
-    header: Dict[str, Any] = {"__metadata__": {"format": FORMAT, "format_version": str(FORMAT_VERSION)}}
-    pos = 0
-    for name in _ORDER:
-        st = _FIXED.get(name, float_st)
-        nbytes = int(np.prod(shapes[name])) * np.dtype(_NP[st]).itemsize
-        header[name] = {"dtype": st, "shape": shapes[name], "data_offsets": [pos, pos + nbytes]}
-        pos += nbytes
-    return header, pos
-
-
-def _header_bytes(header: Dict[str, Any]) -> bytes:
-    raw = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
-    raw += b" " * (-(8 + len(raw)) % 8)        # data starts 8-aligned, as safetensors pads it
-    return struct.pack("<Q", len(raw)) + raw
-
-
-def _read_header(path: Path, size: int):
-    """(header dict, data start) of a shard; FeatureDatasetError naming the file on any problem."""
-    if size < 8:
-        raise FeatureDatasetError(f"{path.name}: truncated: {size} bytes, no header")
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        if 8 + n > size:
-            raise FeatureDatasetError(f"{path.name}: truncated: {size} bytes, header length says {8 + n}")
-        try:
-            header = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise FeatureDatasetError(f"{path.name}: header does not parse: {e}") from None
-    return header, 8 + n
-
-
-def _write_all(fd: int, data: np.ndarray, offset: int) -> None:
-    buf = memoryview(np.ascontiguousarray(data)).cast("B")
-    while len(buf):                                  # pwrite may write less than asked (>2 GiB)
-        n = os.pwrite(fd, buf, offset)
-        buf, offset = buf[n:], offset + n
-
-
-def _np_bytes(t: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
-    t = t.detach().to("cpu", dtype).contiguous()
-    return t.view(torch.int16).numpy() if dtype == torch.bfloat16 else t.numpy()
-
-
 def _atomic_json(path: Path, obj: Any) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as f:
@@ -194,42 +135,7 @@ def _atomic_json(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
-def shard_name(index: int) -> str:
-    return f"shard-{index:05d}.safetensors"
-
-
 # ----------------------------------------------------------------------------- writer
-
-class _OpenShard:
-    """A shard being filled: a preallocated temp file written at fixed positions."""
-
-    def __init__(self, path: Path, lengths: List[int], num_aux: int, hidden: int, float_st: str):
-        self.path, self.tmp = path, path.with_name(path.name + ".tmp")
-        starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)   # [S+1]
-        self.starts, self.pending, self.loss_tokens = starts, set(range(len(lengths))), 0
-        header, size = _layout(len(lengths), int(starts[-1]), num_aux, hidden, float_st)
-        head = _header_bytes(header)
-        self.base, self.size = len(head), len(head) + size
-        self.off = {k: v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}
-        self.fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.ftruncate(self.fd, self.size)
-        os.pwrite(self.fd, head, 0)
-        _write_all(self.fd, starts, self.base + self.off["offsets"])
-
-    def write(self, j: int, parts: Dict[str, np.ndarray]) -> None:
-        row = int(self.starts[j])
-        for name, arr in parts.items():
-            row_bytes = arr.nbytes // arr.shape[0]
-            _write_all(self.fd, arr, self.base + self.off[name] + row * row_bytes)
-        self.pending.discard(j)
-        self.loss_tokens += int(parts["loss_mask"].sum())
-
-    def commit(self) -> int:
-        os.fsync(self.fd)
-        os.close(self.fd)
-        os.replace(self.tmp, self.path)
-        return self.size
-
 
 class FeatureWriter:
     """Writes a feature dataset at `path`, resumably and atomically.
@@ -241,29 +147,35 @@ class FeatureWriter:
 
     sample_ids/lengths: every sample of the dataset, in dataset order (they fix the shard plan).
     meta: from make_meta (target, aux_layers, hidden_size, num_aux, tokenizer, engine, data).
+    dtype: storage of final (and aux); aux_dtype: of aux when different (float8_e4m3fn: see top).
     """
 
     def __init__(self, path, meta: Dict[str, Any], sample_ids: Sequence[str], lengths: Sequence[int],
-                 dtype: str = "bfloat16", shard_tokens: int = 262144):
+                 dtype: str = "bfloat16", shard_tokens: int = 262144, aux_dtype: str = ""):
         self.path = Path(path)
         self.partial = self.path.with_name(self.path.name + ".partial")
         if self.path.exists():
             raise FileExistsError(f"{self.path} already exists (a finished feature dataset)")
-        if dtype not in _FLOAT:
-            raise ValueError(f"dtype {dtype!r}: expected one of {sorted(_FLOAT)}")
+        if dtype not in FLOAT_DTYPES:
+            raise ValueError(f"dtype {dtype!r}: expected one of {sorted(FLOAT_DTYPES)} (fp8 is for aux only: "
+                             f"aux_dtype={FP8!r}; final is the teacher and stays 16-bit)")
+        aux_dtype = aux_dtype or dtype
+        if aux_dtype not in AUX_DTYPES:
+            raise ValueError(f"aux_dtype {aux_dtype!r}: expected one of {sorted(AUX_DTYPES)}")
         if len(set(sample_ids)) != len(sample_ids):
             raise ValueError("sample ids are not unique")
         self.meta = _normal(meta)
         self.num_aux, self.hidden = int(meta["num_aux"]), int(meta["hidden_size"])
-        self.dtype, self.torch_dtype = dtype, _FLOAT[dtype][0]
+        self.dtype, self.torch_dtype, self.aux_dtype = dtype, FLOAT_DTYPES[dtype][0], aux_dtype
         self.ids, self.lengths = [str(s) for s in sample_ids], [int(n) for n in lengths]
         self.plan = plan_shards(self.lengths, shard_tokens)
         self.where = {self.ids[i]: (s, j) for s, idx in enumerate(self.plan) for j, i in enumerate(idx)}
         plan_hash = hashlib.sha256(json.dumps([self.ids, self.lengths]).encode()).hexdigest()
         self.run = {"meta": self.meta, "dtype": dtype, "shard_tokens": int(shard_tokens),
-                    "plan_sha256": plan_hash, "format_version": FORMAT_VERSION}
+                    "plan_sha256": plan_hash, "format_version": FORMAT_VERSION,
+                    **({"aux_dtype": aux_dtype} if aux_dtype != dtype else {})}
         self.done: Dict[int, Dict[str, int]] = {}
-        self.open: Dict[int, _OpenShard] = {}
+        self.open: Dict[int, OpenShard] = {}
         self._resume()
 
     def _resume(self) -> None:
@@ -315,12 +227,18 @@ class FeatureWriter:
                                  f"expected {shape}")
         if s not in self.open:
             lengths = [self.lengths[i] for i in self.plan[s]]
-            self.open[s] = _OpenShard(self.partial / shard_name(s), lengths, self.num_aux, self.hidden,
-                                      _FLOAT[self.dtype][1])
+            self.open[s] = OpenShard(self.partial / shard_name(s), lengths, self.num_aux, self.hidden,
+                                      FLOAT_DTYPES[self.dtype][1], AUX_DTYPES[self.aux_dtype][1])
         shard = self.open[s]
-        shard.write(j, {"input_ids": _np_bytes(parts["input_ids"], torch.int32),
-                        "loss_mask": _np_bytes(parts["loss_mask"], torch.uint8),
-                        "aux": _np_bytes(aux, self.torch_dtype), "final": _np_bytes(final, self.torch_dtype)})
+        arrays = {"input_ids": np_bytes(parts["input_ids"], torch.int32),
+                  "loss_mask": np_bytes(parts["loss_mask"], torch.uint8),
+                  "final": np_bytes(final, self.torch_dtype)}
+        if self.aux_dtype == FP8:
+            q, scale = quantize_fp8(aux, self.num_aux)
+            arrays.update(aux=np_bytes(q, torch.float8_e4m3fn), aux_scale=scale.numpy())
+        else:
+            arrays["aux"] = np_bytes(aux, FLOAT_DTYPES[self.aux_dtype][0])
+        shard.write(j, arrays)
         if not shard.pending:
             nbytes = shard.commit()
             del self.open[s]
@@ -344,8 +262,9 @@ class FeatureWriter:
         manifest = dict(self.meta)
         manifest.update({
             "format": FORMAT, "format_version": FORMAT_VERSION, "shard_tokens": self.run["shard_tokens"],
-            "dtypes": {"aux": self.dtype, "final": self.dtype, "input_ids": "int32",
-                       "loss_mask": "uint8", "offsets": "int64"},
+            "dtypes": {"aux": self.aux_dtype, "final": self.dtype, "input_ids": "int32",
+                       "loss_mask": "uint8", "offsets": "int64",
+                       **({"aux_scale": "float32"} if self.aux_dtype == FP8 else {})},
             "shards": shards,
             "totals": {"num_shards": len(shards), "num_samples": len(self.ids), "num_tokens": tokens,
                        "num_loss_tokens": sum(sh["num_loss_tokens"] for sh in shards),
@@ -362,38 +281,12 @@ class FeatureWriter:
 
 # ----------------------------------------------------------------------------- reader
 
-def _check_shard(path: Path, rec: Dict[str, Any], manifest: Dict[str, Any]):
-    """Header checks of one shard against the manifest. Returns (header, data start)."""
-    size = path.stat().st_size
-    header, start = _read_header(path, size)
-    want, body = _layout(rec["num_samples"], rec["num_tokens"], manifest["num_aux"],
-                         manifest["hidden_size"], _FLOAT[manifest["dtypes"]["aux"]][1])
-    for name in _ORDER:
-        got = header.get(name)
-        if got is None:
-            raise FeatureDatasetError(f"{path.name}: tensor {name!r} missing")
-        for key in ("dtype", "shape"):
-            if got.get(key) != want[name][key]:
-                raise FeatureDatasetError(f"{path.name}: {name} {key} is {got.get(key)}, "
-                                          f"manifest says {want[name][key]}")
-        if got.get("data_offsets") != want[name]["data_offsets"]:
-            raise FeatureDatasetError(f"{path.name}: {name} data_offsets {got.get('data_offsets')} "
-                                      f"are not contiguous (expected {want[name]['data_offsets']})")
-    if size != start + body:
-        raise FeatureDatasetError(f"{path.name}: truncated: {size} bytes, header says {start + body}"
-                                  if size < start + body else
-                                  f"{path.name}: {size} bytes, header says {start + body}")
-    if size != rec["num_bytes"]:
-        raise FeatureDatasetError(f"{path.name}: {size} bytes, manifest says {rec['num_bytes']}")
-    return header, start
-
-
 class FeatureDataset:
     """Read side: ds[i] -> {input_ids [T] int64, loss_mask [T] uint8, aux [T, k*H], final [T, H]}.
 
     Shards are memory-mapped (copy-on-write, so tensors are writable without touching the file)
     when first used; aux/final/loss_mask are views into the mapping, not copies. Only input_ids is
-    widened to int64 (a copy of T ints).
+    widened to int64 (a copy of T ints), and fp8 aux is dequantized to bf16 (a copy).
     """
 
     def __init__(self, path, expected: Optional[Dict[str, Any]] = None):
@@ -438,24 +331,18 @@ class FeatureDataset:
         if s not in self._maps:
             rec = self.manifest["shards"][s]
             path = self.path / rec["file"]
-            header, start = _check_shard(path, rec, self.manifest)
+            header, start = check_shard(path, rec, self.manifest)
             mm = np.memmap(path, dtype=np.uint8, mode="c")
-            out = {}
-            for name in _ORDER:
-                h = header[name]
-                a, b = h["data_offsets"]
-                arr = mm[start + a:start + b].view(_NP[h["dtype"]]).reshape(h["shape"])
-                t = torch.from_numpy(arr)
-                out[name] = t.view(torch.bfloat16) if h["dtype"] == "BF16" else t   # numpy has no bf16
-            self._maps[s] = out
+            self._maps[s] = tensor_views(mm[start:], header)
         return self._maps[s]
 
     def __getitem__(self, i: int) -> Dict[str, torch.Tensor]:
         t = self._tensors(int(self._shard[i]))
         j = int(self._local[i])
         a, b = int(t["offsets"][j]), int(t["offsets"][j + 1])
+        aux = t["aux"][a:b] if "aux_scale" not in t else dequantize_fp8(t["aux"][a:b], t["aux_scale"][a:b])
         return {"input_ids": t["input_ids"][a:b].long(), "loss_mask": t["loss_mask"][a:b],
-                "aux": t["aux"][a:b], "final": t["final"][a:b]}
+                "aux": aux, "final": t["final"][a:b]}
 
     def validate(self) -> None:
         """Check every shard fully against the manifest; FeatureDatasetError names the bad shard."""
@@ -463,7 +350,7 @@ class FeatureDataset:
             path = self.path / rec["file"]
             if not path.exists():
                 raise FeatureDatasetError(f"{rec['file']}: missing from {self.path}")
-            _check_shard(path, rec, self.manifest)
+            check_shard(path, rec, self.manifest)
             t = self._tensors(s)
             off = t["offsets"]
             if int(off[0]) != 0 or int(off[-1]) != rec["num_tokens"] or bool((off[1:] < off[:-1]).any()):
@@ -474,6 +361,17 @@ class FeatureDataset:
             if int(t["loss_mask"].sum()) != rec["num_loss_tokens"]:
                 raise FeatureDatasetError(f"{rec['file']}: {int(t['loss_mask'].sum())} loss tokens, "
                                           f"manifest says {rec['num_loss_tokens']}")
+
+
+def check_storage(ds: FeatureDataset, dtype: str, aux_dtype: str = "") -> None:
+    """A finished dataset kept for a capture must be stored as that capture asks."""
+    have = {"final": ds.manifest["dtypes"]["final"], "aux": ds.manifest["dtypes"]["aux"]}
+    want = {"final": dtype, "aux": aux_dtype or dtype}
+    if have != want:
+        raise FeatureDatasetError(
+            f"{ds.path} holds aux {have['aux']} / final {have['final']}, this capture asks for aux "
+            f"{want['aux']} / final {want['final']} (capture.dtype, capture.aux_dtype): delete it or "
+            f"point data.features_dir elsewhere")
 
 
 # ----------------------------------------------------------------------------- batches

@@ -35,9 +35,9 @@ def fake_samples(n=7, seed=0):
     return out
 
 
-def write(path, samples, order=None, dtype="bfloat16", shard_tokens=30, m=None):
+def write(path, samples, order=None, dtype="bfloat16", shard_tokens=30, m=None, aux_dtype=""):
     w = FeatureWriter(path, m or meta(), [s["id"] for s in samples], [len(s["input_ids"]) for s in samples],
-                      dtype=dtype, shard_tokens=shard_tokens)
+                      dtype=dtype, shard_tokens=shard_tokens, aux_dtype=aux_dtype)
     for i in (order if order is not None else range(len(samples))):
         s = samples[i]
         w.add(s["id"], s["input_ids"], s["loss_mask"], s["aux"], s["final"])
@@ -87,6 +87,54 @@ def test_shards_are_standard_safetensors(tmp_path):
     assert st["offsets"].tolist() == np.concatenate([[0], np.cumsum(lens)]).tolist()
     assert np.array_equal(st["aux"], torch.cat([s["aux"] for s in samples[:n]]).numpy())
     assert np.array_equal(st["input_ids"], torch.cat([s["input_ids"] for s in samples[:n]]).numpy())
+
+
+def test_fp8_aux_is_row_scaled_e4m3_and_final_stays_exact(tmp_path):
+    """aux_dtype=float8_e4m3fn: aux within e4m3's rounding of every row of every aux state (3
+    mantissa bits: half an ulp is 2**-4 relative; subnormals below 2**-6 of the row's scale),
+    each row-state's largest value kept to bf16 rounding, final bit-equal to the bf16 dataset,
+    a safetensors reader agreeing on the stored bytes, and the bytes per token as computed."""
+    from safetensors.torch import load_file as load_torch
+    samples = fake_samples()
+    samples[0]["aux"][2, :H] *= 1e4                       # one row of one state far larger than the rest
+    ds = FeatureDataset(write(tmp_path / "fp8", samples, aux_dtype="float8_e4m3fn"))
+    ref = FeatureDataset(write(tmp_path / "bf16", samples))
+    ds.validate()
+    assert ds.manifest["dtypes"]["aux"] == "float8_e4m3fn" and ds.manifest["dtypes"]["final"] == "bfloat16"
+    for i, s in enumerate(samples):
+        got, x = ds[i], s["aux"].view(-1, K, H)
+        assert got["aux"].dtype == torch.bfloat16 and got["aux"].shape == s["aux"].shape
+        assert torch.equal(got["final"], ref[i]["final"])
+        y = got["aux"].float().view(-1, K, H)
+        row_max = x.abs().amax(-1, keepdim=True)
+        assert ((y - x).abs() <= 2 ** -4 * x.abs() * 1.05 + row_max * 2 ** -15).all()   # + bf16 read-back
+        at_max = x.abs() == row_max
+        assert torch.allclose(y[at_max], x[at_max], rtol=2 ** -8)
+        assert rel_err(y, x) < 0.05
+    rec = ds.manifest["shards"][0]
+    st = load_torch(str(tmp_path / "fp8" / rec["file"]))
+    assert st["aux"].dtype == torch.float8_e4m3fn and st["aux_scale"].shape == (rec["num_tokens"], K)
+    n0 = len(samples[0]["input_ids"])
+    assert torch.equal((st["aux"][:n0].float().view(n0, K, H) * st["aux_scale"][:n0, :, None])
+                       .view(n0, -1).bfloat16(), ds[0]["aux"])
+    # per token, aux drops from 2*K*H bytes to K*H (e4m3) + 4*K (the scales)
+    tokens = ds.manifest["totals"]["num_tokens"]
+    assert data_bytes(tmp_path / "fp8", ds) - data_bytes(tmp_path / "bf16", ref) == tokens * (4 * K - K * H)
+    with pytest.raises(ValueError, match="aux only"):
+        write(tmp_path / "bad", samples, dtype="float8_e4m3fn")
+
+
+def rel_err(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+def data_bytes(path, ds):
+    """Bytes of the shards' tensors (file sizes less their safetensors headers)."""
+    total = 0
+    for r in ds.manifest["shards"]:
+        with open(path / r["file"], "rb") as f:
+            total += os.path.getsize(path / r["file"]) - 8 - struct.unpack("<Q", f.read(8))[0]
+    return total
 
 
 def test_arrival_order_does_not_change_bytes(tmp_path):

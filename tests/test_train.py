@@ -139,3 +139,26 @@ def test_train_compile_true_matches_eager(tiny_run, tmp_path):
     compiled = [r["loss"] for r in metrics(tmp_path / "compiled") if r["split"] == "train"]
     assert len(eager) == len(compiled) == 3
     assert compiled == pytest.approx(eager, rel=1e-5)
+
+
+def test_fp8_aux_features_train_like_bf16_and_are_not_mistaken_for_them(tiny_run, tmp_path):
+    """capture.aux_dtype=float8_e4m3fn: the same tiny capture stored with fp8 aux trains to the
+    losses of the bf16 features within fp8's rounding; a capture asking for bf16 into that
+    directory later stops with both storages named instead of silently keeping it. (Training reads
+    either: a dataset says how it is stored.)"""
+    common = ["+experiment=tiny", "train.steps=4", "train.log_every=1", "train.save_every=100"]
+    run_train(*common, f"run_dir={tmp_path}/bf16", f"data.features_dir={tiny_run}/features")
+    run_train(*common, f"run_dir={tmp_path}/fp8", f"data.features_dir={tmp_path}/features8",
+              "capture.aux_dtype=float8_e4m3fn")
+    manifest = json.loads((tmp_path / "features8" / "manifest.json").read_text())
+    assert manifest["dtypes"]["aux"] == "float8_e4m3fn" and manifest["dtypes"]["final"] == "bfloat16"
+    bf16 = [r["loss"] for r in metrics(tmp_path / "bf16") if r["split"] == "train"]
+    fp8 = [r["loss"] for r in metrics(tmp_path / "fp8") if r["split"] == "train"]
+    assert len(bf16) == len(fp8) == 4
+    assert fp8 == pytest.approx(bf16, rel=1e-2) and fp8 != bf16
+    env = dict(os.environ, OMP_NUM_THREADS="2", HYDRA_FULL_ERROR="1")
+    p = subprocess.run([sys.executable, "-m", "capture", "+experiment=tiny", f"data.features_dir={tmp_path}/features8"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert p.returncode != 0
+    err = p.stderr + p.stdout
+    assert "float8_e4m3fn" in err and "bfloat16" in err and "capture.aux_dtype" in err
