@@ -5,7 +5,9 @@
 Waits until every job in WORK/status.json has ended or --wait seconds pass, prints the status, then
 writes OUT/small.tar.gz (status, log tails, metrics, curves, configs, evaluation reports) and, for each
 run named in --exports that has finished and was not sent before, its export/vllm directory as a tar
-split into parts of 15 MiB (the tool brings back at most 8 files of 16 MiB, 64 MiB in all).
+split into parts of 15 MiB (the tool brings back at most 8 files of 16 MiB, 64 MiB in all), and
+with --answers the regenerated-answers file, xz-compressed, in parts of 15 MiB (join with cat,
+then xz -d).
 """
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--wait", type=float, default=0)
     ap.add_argument("--exports", default="")
+    ap.add_argument("--answers", type=Path, help="a regenerated-answers JSONL to bring back, xz-compressed "
+                                                 "(a fresh machine cannot resume it otherwise)")
     args = ap.parse_args()
     work, t0 = args.work, time.time()
     status = {}
@@ -76,6 +80,18 @@ def main() -> None:
         used, files = used + len(data), files + len(parts)
         sent.add(run)
         print(f"[collect] {run}: {len(data) / 2**20:.1f} MiB in {len(parts)} parts")
+    if args.answers and args.answers.exists() and str(args.answers) not in sent:
+        import lzma
+        data = lzma.compress(args.answers.read_bytes(), preset=6)
+        parts = [data[i:i + PART] for i in range(0, len(data), PART)]
+        if used + len(data) > BUDGET or files + len(parts) > 8:
+            print(f"[collect] {args.answers.name}: no room left this time ({len(data) / 2**20:.1f} MiB)")
+        else:
+            for i, part in enumerate(parts):
+                (args.out / f"answers.jsonl.xz.{i:02d}").write_bytes(part)
+            used, files = used + len(data), files + len(parts)
+            sent.add(str(args.answers))
+            print(f"[collect] {args.answers.name}: {len(data) / 2**20:.1f} MiB xz in {len(parts)} parts")
     sent_path.write_text("\n".join(sorted(sent)))
     print(f"[collect] {files} files, {used / 2**20:.1f} MiB")
 
