@@ -59,10 +59,23 @@ def main() -> None:
             elif p.suffix in (".json", ".jsonl", ".png", ".md", ".yaml") and "export" not in rel.parts[:-1] \
                     or p.name == "config.json":
                 tar.add(p, arcname=str(rel))
-    used = (args.out / "small.tar.gz").stat().st_size
-    files = 1
+    used, files = (args.out / "small.tar.gz").stat().st_size, 1
     sent_path = work / "sent.txt"
     sent = set(sent_path.read_text().split()) if sent_path.exists() else set()
+
+    def send(key: str, data: bytes, name: str) -> None:
+        """data as OUT/name.00, .01, ... parts if this call has room left; remembered as sent."""
+        nonlocal used, files
+        parts = [data[i:i + PART] for i in range(0, len(data), PART)]
+        if used + len(data) > BUDGET or files + len(parts) > 8:
+            print(f"[collect] {key}: no room left this time ({len(data) / 2**20:.1f} MiB)")
+            return
+        for i, part in enumerate(parts):
+            (args.out / f"{name}.{i:02d}").write_bytes(part)
+        used, files = used + len(data), files + len(parts)
+        sent.add(key)
+        print(f"[collect] {key}: {len(data) / 2**20:.1f} MiB in {len(parts)} parts")
+
     for run in [r for r in args.exports.split(",") if r]:
         src = work / "runs" / run / "export" / "vllm"
         if run in sent or status.get(run, {}).get("state") != "ok" or not (src / "model.safetensors").exists():
@@ -70,28 +83,10 @@ def main() -> None:
         buf = io.BytesIO()
         with tarfile.open(fileobj=buf, mode="w") as tar:
             tar.add(src, arcname=f"{run}/vllm")
-        data = buf.getvalue()
-        parts = [data[i:i + PART] for i in range(0, len(data), PART)]
-        if used + len(data) > BUDGET or files + len(parts) > 8:
-            print(f"[collect] {run}: no room left this time")
-            continue
-        for i, part in enumerate(parts):
-            (args.out / f"exp_{run}.tar.{i:02d}").write_bytes(part)
-        used, files = used + len(data), files + len(parts)
-        sent.add(run)
-        print(f"[collect] {run}: {len(data) / 2**20:.1f} MiB in {len(parts)} parts")
+        send(run, buf.getvalue(), f"exp_{run}.tar")
     if args.answers and args.answers.exists() and str(args.answers) not in sent:
         import lzma
-        data = lzma.compress(args.answers.read_bytes(), preset=6)
-        parts = [data[i:i + PART] for i in range(0, len(data), PART)]
-        if used + len(data) > BUDGET or files + len(parts) > 8:
-            print(f"[collect] {args.answers.name}: no room left this time ({len(data) / 2**20:.1f} MiB)")
-        else:
-            for i, part in enumerate(parts):
-                (args.out / f"answers.jsonl.xz.{i:02d}").write_bytes(part)
-            used, files = used + len(data), files + len(parts)
-            sent.add(str(args.answers))
-            print(f"[collect] {args.answers.name}: {len(data) / 2**20:.1f} MiB xz in {len(parts)} parts")
+        send(str(args.answers), lzma.compress(args.answers.read_bytes(), preset=6), "answers.jsonl.xz")
     sent_path.write_text("\n".join(sorted(sent)))
     print(f"[collect] {files} files, {used / 2**20:.1f} MiB")
 
