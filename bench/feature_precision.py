@@ -22,26 +22,19 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from eagle3.export import find_export, load_export  # noqa: E402
 from eagle3.features import FeatureDataset  # noqa: E402
+from eagle3.shards import dequantize_fp8, quantize_fp8  # noqa: E402
 from eagle3.loss import target_teacher, ttt_loss  # noqa: E402
 from eagle3.model import DrafterShape, Eagle3Drafter  # noqa: E402
 from eagle3.targets import load_head, resolve_target  # noqa: E402
 from eagle3.vocab import DraftVocab  # noqa: E402
 
-E4M3_MAX = 448.0
 KIMI_HIDDEN, KIMI_AUX = 7168, 3
 
 
-def fp8_round_trip(x: torch.Tensor) -> torch.Tensor:
-    """[T, n*H] bf16 -> the same values stored as e4m3 with one fp32 scale per row of each
-    [T, H] state (so the 448 range of e4m3 fits every row's largest value), read back as bf16."""
-    xf = x.float()
-    scale = (xf.abs().amax(-1, keepdim=True) / E4M3_MAX).clamp(min=1e-12)
-    return ((xf / scale).to(torch.float8_e4m3fn).float() * scale).to(x.dtype)
-
-
-def per_state(x: torch.Tensor, hidden: int) -> torch.Tensor:
-    """fp8_round_trip applied to each [T, H] block of x [T, n*H] on its own."""
-    return torch.cat([fp8_round_trip(b) for b in x.split(hidden, dim=-1)], dim=-1)
+def fp8_round_trip(x: torch.Tensor, num_states: int = 1) -> torch.Tensor:
+    """[T, n*H] bf16 -> the same values stored as the feature dataset stores fp8 aux (e4m3, one
+    fp32 scale per row of each [T, H] state), read back as bf16."""
+    return dequantize_fp8(*quantize_fp8(x, num_states))
 
 
 def bytes_per_token(hidden: int, num_aux: int, fp8_aux: bool, fp8_final: bool) -> int:
@@ -89,7 +82,7 @@ def main() -> None:
     counts = torch.zeros(7)
     for i in range(min(args.samples, len(ds))):
         s = ds[i]
-        aux8, final8 = per_state(s["aux"], H), fp8_round_trip(s["final"])
+        aux8, final8 = fp8_round_trip(s["aux"], k), fp8_round_trip(s["final"])
         err_aux.append(rel(aux8, s["aux"]))
         err_final.append(rel(final8, s["final"]))
         draft_ids = vocab.draft_ids
