@@ -224,19 +224,21 @@ def test_wrong_aux_count_is_reported_not_raised(cap):
 
 def test_assemble_directly():
     """The plain assembler without SGLang objects: chunk gaps are refused, rows beyond total too."""
-    st = P.AssemblyState()
+    from capture import sglang_assembly as A
+
+    st = A.AssemblyState()
     t = truth(6, 19)
 
     def piece(rid, s, n, total=6):
-        return P.Piece(rid, s, total, [x[s:s + n] for x in t["aux"]], t["final"][s:s + n])
+        return A.Piece(rid, s, total, [x[s:s + n] for x in t["aux"]], t["final"][s:s + n])
 
-    assert P.assemble(st, piece("x", 0, 2)).kind == "pending"
-    assert P.assemble(st, piece("x", 3, 3)).kind == "error"          # gap: rows 2..3 missing
-    assert P.assemble(st, piece("x", 4, 2)).kind == "ignored"        # refused rid stays refused
-    assert P.assemble(st, piece("y", 0, 2)).kind == "pending"
-    done = P.assemble(st, piece("y", 2, 4))
+    assert A.assemble(st, piece("x", 0, 2)).kind == "pending"
+    assert A.assemble(st, piece("x", 3, 3)).kind == "error"          # gap: rows 2..3 missing
+    assert A.assemble(st, piece("x", 4, 2)).kind == "ignored"        # refused rid stays refused
+    assert A.assemble(st, piece("y", 0, 2)).kind == "pending"
+    done = A.assemble(st, piece("y", 2, 4))
     assert done.kind == "complete" and torch.equal(done.final, t["final"])
-    assert P.assemble(st, piece("z", 0, 6, total=5)).kind == "error"
+    assert A.assemble(st, piece("z", 0, 6, total=5)).kind == "error"
 
 
 def test_writer_writes_done_last(tmp_path, monkeypatch):
