@@ -30,7 +30,8 @@ from eagle3.loss import TTTOutput, step_counts, target_teacher, ttt_loss, unigra
 from eagle3.model import Eagle3Drafter, drafter_shape
 from eagle3.plots import plot_runs
 from capture.run import capture_features
-from eagle3.targets import default_aux_layers, load_head, load_tokenizer, resolve_target, target_info
+from eagle3.targets import (default_aux_layers, load_final_norm, load_head, load_tokenizer, resolve_target,
+                            target_info)
 from eagle3.vocab import DraftVocab, build_vocab, count_tokens
 
 config_schema.register()
@@ -155,6 +156,8 @@ def main(cfg) -> None:
     torch.manual_seed(c.train.seed)   # the same init whether or not this process captured or built a target first
     drafter = Eagle3Drafter(shape)
     drafter.set_target_embedding(embed)
+    if c.drafter.head_from_target:
+        drafter.start_head_from_target(lm_head[vocab.draft_ids], load_final_norm(target_dir))
     lm_head = lm_head.to(device, compute_dtype)
     vocab = vocab.to(device)
     model = Objective(drafter, vocab, c.train.ttt_steps, c.train.step_decay)
@@ -243,8 +246,10 @@ def main(cfg) -> None:
         if step % c.train.log_every == 0 or step == total - 1:
             row = stats.reduce(acc, batches=1)
             elapsed = time.time() - t0
+            cuda = device.type == "cuda"
+            mem = {"max_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30} if cuda else {}
             log.write({"step": step, "split": "train", "lr": lr, **row,
-                       "tok_s": tokens_seen * world / max(elapsed, 1e-9)})
+                       "tok_s": tokens_seen * world / max(elapsed, 1e-9), **mem})
         if held_idx and (step % c.train.eval_every == 0 or step == total - 1):
             model.eval()
             hs, uni = StepStats(S), torch.zeros(2, device=device)
@@ -295,31 +300,40 @@ class Objective(torch.nn.Module):
         out = ttt_loss(self.drafter, input_ids, loss_mask, attention_mask, aux, final, lm_head, self.vocab,
                        ttt_steps=self.ttt_steps, decay=self.decay, teacher=teacher, norm=norm)
         # a plain tuple: ZeRO-3's backward hooks find tensors only in tuples, lists and dicts
-        return out.loss, out.per_step_loss, out.correct, out.count
+        return out.loss, out.per_step_loss, out.correct, out.count, out.accepted, out.chained
 
 
 class StepStats:
-    """Sums of loss shares and per-TTT-step correct/count over micro batches, reduced over processes."""
+    """Sums of loss shares, per-TTT-step correct/count and chain acceptance (eagle3.loss: what an
+    engine would accept) over micro batches, reduced over processes."""
 
     def __init__(self, ttt_steps: int):
         self.loss = 0.0
         self.correct = torch.zeros(ttt_steps, dtype=torch.float64)
         self.count = torch.zeros(ttt_steps, dtype=torch.float64)
+        self.accepted = torch.zeros(ttt_steps, dtype=torch.float64)
+        self.chained = torch.zeros(1, dtype=torch.float64)
 
     def add(self, out) -> None:
         self.loss += float(out.loss.detach())
         self.correct += out.correct.detach().to("cpu", torch.float64)
         self.count += out.count.detach().to("cpu", torch.float64)
+        self.accepted += out.accepted.detach().to("cpu", torch.float64)
+        self.chained += float(out.chained)
 
     def reduce(self, acc, batches: int) -> dict:
-        """batches: how many global batches the shares cover (their losses are averaged)."""
-        t = torch.cat([torch.tensor([self.loss], dtype=torch.float64), self.correct, self.count])
+        """batches: how many global batches the shares cover (their losses are averaged).
+        accept[s]: the share of chains accepted through draft position s; tau3 = 1 + accept[0..2]
+        estimates tau at a chain of 3 (eagle3.loss's module doc says when it holds)."""
+        t = torch.cat([torch.tensor([self.loss], dtype=torch.float64), self.correct, self.count, self.accepted,
+                       self.chained])
         t = acc.reduce(t.to(acc.device), reduction="sum").cpu()
         k = len(self.correct)
-        correct, count = t[1:1 + k], t[1 + k:]
+        correct, count, accepted, chained = t[1:1 + k], t[1 + k:1 + 2 * k], t[1 + 2 * k:1 + 3 * k], t[-1]
+        accept = [float(a) for a in accepted / chained.clamp(min=1)]
         return {"loss": float(t[0]) / max(batches, 1),
                 "acc": [float(a) for a in (correct / count.clamp(min=1))],
-                "tokens": int(count[0])}
+                "tokens": int(count[0]), "accept": accept, "tau3": 1 + sum(accept[:3])}
 
 
 class Logger:
@@ -341,11 +355,13 @@ class Logger:
             return
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
-        msg = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items() if k != "acc")
-        print(f"[{row['split']}] {msg} acc=[{', '.join(f'{a:.3f}' for a in row.get('acc', []))}]", flush=True)
+        lists = ("acc", "accept")
+        msg = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items() if k not in lists)
+        print(f"[{row['split']}] {msg} " + " ".join(f"{k}=[{', '.join(f'{a:.3f}' for a in row[k])}]"
+                                                   for k in lists if k in row), flush=True)
         if self.wandb is not None:
-            flat = {f"{row['split']}/{k}": v for k, v in row.items() if k not in ("split", "step", "acc")}
-            flat.update({f"{row['split']}/acc_{s}": a for s, a in enumerate(row.get("acc", []))})
+            flat = {f"{row['split']}/{k}": v for k, v in row.items() if k not in ("split", "step", *lists)}
+            flat.update({f"{row['split']}/{k}_{s}": a for k in lists for s, a in enumerate(row.get(k, []))})
             self.wandb.log(flat, step=row["step"])
 
     def close(self) -> None:

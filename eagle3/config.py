@@ -54,6 +54,7 @@ class DrafterConfig:
     num_key_value_heads: int = 0
     head_dim: int = 0
     draft_vocab_size: int = 32000             # capped at the target vocab
+    head_from_target: bool = False            # start lm_head (the draft-vocab rows) and norm from the target's
     rms_norm_eps: float = 0.0
     rope_theta: float = 0.0
     max_position_embeddings: int = 0

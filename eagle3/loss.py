@@ -34,6 +34,16 @@ drops.) Accuracy per step: draft argmax mapped to its target id == the target's 
 over the counted positions; `correct` and `count` are returned so callers can sum over batches and
 ranks before dividing.
 
+What an engine would accept (`accepted`, `chained`): accuracy above is per step, over the rows that
+step counts, so it overstates served acceptance twice: a token outside the draft vocab is left out
+instead of counted as a miss, and step s is scored whether or not steps 0..s-1 were right. A chain
+drafted at row t is accepted up to position s only if steps 0..s at row t ALL hit; every row whose
+step-0 token x_{t+2} is a real assistant token starts a chain (`chained`), draftable or not. So
+accepted[s] / chained is the unconditional acceptance of draft position s, the engines' per-position
+figure, and 1 + sum_{s<n} of it estimates tau at a chain of n. The teacher-forced token of step s is
+the data's x_{t+1+s}: it is what the engine feeds only when the data is the target's own greedy
+text (regenerated answers), which is when this estimate is meant to hold.
+
 Memory: the target's full-vocab logits are made once per batch, a chunk of rows at a time
 (V = 163840 at T = 4096 would be 1.3 GB in bf16); only the draft-vocab columns (as fp32 softmax)
 and the argmax are kept. The drafter's lm_head runs only on counted rows, and the soft
@@ -62,6 +72,8 @@ class TTTOutput:
     per_step_loss: torch.Tensor   # [S] fp32, detached: mean soft CE over step s's counted rows
     correct: torch.Tensor         # [S] int64: counted rows where draft argmax == target argmax
     count: torch.Tensor           # [S] int64: counted rows
+    accepted: Optional[torch.Tensor] = None   # [S] int64: chain rows whose steps 0..s all hit
+    chained: Optional[torch.Tensor] = None    # int64: rows a chain starts at (every assistant token)
 
     @property
     def acc(self) -> List[float]:
@@ -168,6 +180,9 @@ def ttt_loss(drafter: Eagle3Drafter, input_ids: torch.Tensor, loss_mask: torch.T
     step_loss = torch.zeros(ttt_steps, device=dev)
     correct = torch.zeros(ttt_steps, dtype=torch.int64, device=dev)
     count = torch.zeros(ttt_steps, dtype=torch.int64, device=dev)
+    accepted = torch.zeros(ttt_steps, dtype=torch.int64, device=dev)
+    alive = (loss_mask.bool() & real)[:, 2:]                # [B, T-2]: chains start at every assistant token
+    chained = alive.sum()
     for s in range(ttt_steps):
         h, k, v = drafter.layer(e_qkv[:, s:s + T], h, positions + s, w, keys,
                                 extra if s else None)
@@ -178,6 +193,7 @@ def ttt_loss(drafter: Eagle3Drafter, input_ids: torch.Tensor, loss_mask: torch.T
             extra[1].append(v)
         n = T - 2 - s                                   # rows whose predicted token x_{t+2+s} exists
         if n <= 0:
+            alive = alive & False
             continue
         counted = counted_rows(loss_mask, real, top, t2d, s)              # [B, n]
         b, t = counted.nonzero(as_tuple=True)
@@ -192,7 +208,12 @@ def ttt_loss(drafter: Eagle3Drafter, input_ids: torch.Tensor, loss_mask: torch.T
             hit = draft_ids[logits.argmax(-1)] == top_rows[rows + 1 + s]
             correct[s] = hit.sum()
             count[s] = num
-    return TTTOutput(loss=total, per_step_loss=step_loss, correct=correct, count=count)
+            hit_rows = torch.zeros_like(alive)
+            hit_rows[b, t] = hit
+            alive = alive & hit_rows                    # uncounted rows (undraftable, past the answer) end a chain
+            accepted[s] = alive.sum()
+    return TTTOutput(loss=total, per_step_loss=step_loss, correct=correct, count=count, accepted=accepted,
+                     chained=chained)
 
 
 def counted_rows(loss_mask: torch.Tensor, attention_mask: torch.Tensor, top: torch.Tensor,

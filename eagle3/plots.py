@@ -45,12 +45,16 @@ def _series(rows: Sequence[dict], split: str, key: str, index: int | None = None
 
 
 def plot_runs(run_dirs: Sequence[Path], out: Path, labels: Sequence[str] | None = None) -> Path:
-    """Loss (train, held-out) and per-TTT-step accuracy (train dashed, held-out solid) per run."""
+    """Loss (train, held-out), per-TTT-step accuracy (train dashed, held-out solid) and, for runs
+    that log it, tau3: 1 + the engine-style chain acceptance of the first 3 draft positions, the
+    training-side estimate of tau at a chain of 3 (eagle3.loss)."""
     runs: Dict[str, List[dict]] = {}
     for i, d in enumerate(run_dirs):
         runs[labels[i] if labels else Path(d).name or str(d)] = read_metrics(Path(d))
     n_steps = max((len(r["acc"]) for rows in runs.values() for r in rows if "acc" in r), default=1)
-    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(13, 4.8))
+    with_tau = any("tau3" in r for rows in runs.values() for r in rows)
+    fig, axes = plt.subplots(1, 3 if with_tau else 2, figsize=(19 if with_tau else 13, 4.8))
+    ax_loss, ax_acc = axes[0], axes[1]
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     many = len(runs) > 1
     for ri, (name, rows) in enumerate(runs.items()):
@@ -69,6 +73,12 @@ def plot_runs(run_dirs: Sequence[Path], out: Path, labels: Sequence[str] | None 
                 if xs:
                     ax_acc.plot(xs, ys, style, color=cs, alpha=0.5 if split == "train" else 1,
                                 label=f"{name + ' ' if many else ''}step {s} {split}")
+        if with_tau:
+            for split, style in (("heldout", "-"), ("train", ":")):
+                xs, ys = _series(rows, split, "tau3")
+                if xs:
+                    axes[2].plot(xs, ys, style, color=c, alpha=0.5 if split == "train" else 1,
+                                 label=f"{name + ' ' if many else ''}{split} (last {ys[-1]:.2f})")
         uni = [r["unigram_acc"] for r in rows if r.get("split") == "heldout" and r.get("unigram_acc") is not None]
         if uni:   # what drafting the most frequent token always would score
             ax_acc.axhline(uni[-1], color=c if many else "gray", ls="-.", lw=1,
@@ -76,7 +86,10 @@ def plot_runs(run_dirs: Sequence[Path], out: Path, labels: Sequence[str] | None 
     ax_loss.set(title="TTT loss", xlabel="optimizer step", ylabel="loss (weighted soft CE)")
     ax_acc.set(title="draft accuracy per TTT step (argmax == target argmax)", xlabel="optimizer step",
                ylabel="accuracy", ylim=(0, 1))
-    for ax in (ax_loss, ax_acc):
+    if with_tau:
+        axes[2].set(title="expected tau, chain of 3 (1 + chain acceptance)",
+                    xlabel="optimizer step", ylabel="tau3", ylim=(1, 4))
+    for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()

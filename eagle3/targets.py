@@ -42,6 +42,7 @@ RANDOM_INIT_RANGE = 0.1
 EMBED_NAMES = ("model.embed_tokens.weight", "language_model.model.embed_tokens.weight",
                "model.language_model.embed_tokens.weight")
 LM_HEAD_NAMES = ("lm_head.weight", "language_model.lm_head.weight")
+FINAL_NORM_NAMES = ("model.norm.weight", "language_model.model.norm.weight", "model.language_model.norm.weight")
 
 
 def cache_root() -> Path:
@@ -273,23 +274,36 @@ def load_tokenizer(model_dir: str | Path, chat_template_file: str = "", trust_re
     return tok
 
 
+def _read_first(d: Path, names: tuple) -> torch.Tensor | None:
+    """The first of `names` the checkpoint holds, opening only its shard; None if none."""
+    from safetensors import safe_open
+
+    where = _tensor_locations(d)
+    for n in names:
+        if n in where:
+            with safe_open(str(d / where[n]), framework="pt") as f:
+                return f.get_tensor(n)
+    return None
+
+
+def load_final_norm(model_dir: str | Path) -> torch.Tensor:
+    """The target's final RMSNorm weight [H] (the norm `final` has been through)."""
+    w = _read_first(Path(model_dir), FINAL_NORM_NAMES)
+    if w is None:
+        raise KeyError(f"{model_dir}: no final norm tensor; looked for {', '.join(FINAL_NORM_NAMES)}")
+    return w
+
+
 def load_head(model_dir: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
     """(embed_tokens [V, H], lm_head [V, H]) read lazily from the safetensors checkpoint.
 
     Opens only the shard(s) holding those two tensors; tied embeddings (tie_word_embeddings true,
     or no lm_head tensor) return the embedding for both.
     """
-    from safetensors import safe_open
-
     d = Path(model_dir)
-    where = _tensor_locations(d)
 
     def read(names: tuple) -> torch.Tensor | None:
-        for n in names:
-            if n in where:
-                with safe_open(str(d / where[n]), framework="pt") as f:
-                    return f.get_tensor(n)
-        return None
+        return _read_first(d, names)
 
     embed = read(EMBED_NAMES)
     if embed is None:

@@ -50,6 +50,27 @@ def test_kimi_values():
         "sglang", 3, 1, 4, 90)
 
 
+def test_kimi_dims_builds_the_kimi_drafter_at_its_real_size():
+    """The scale-out experiment's drafter is Kimi-K2.5's (1,190.9M trainable parameters, counted here
+    by hand), on a random target of Kimi's hidden size and MLA dims, trained online under ZeRO-3."""
+    from types import SimpleNamespace
+    from eagle3.model import drafter_shape
+
+    c = schema.to_config(_compose("train", ["+experiment=kimi_dims"]))
+    rc = c.target.random_config
+    assert (c.target.source, c.target.arch, rc["hidden_size"], rc["kv_lora_rank"], rc["q_lora_rank"]) == (
+        "random", "deepseek_v3", 7168, 512, 1536)
+    assert c.dist.deepspeed and c.dist.zero_stage == 3 and c.train.mode == "online"
+    target = SimpleNamespace(hidden_size=7168, model_type="deepseek_v3", num_attention_heads=64,
+                             num_key_value_heads=64, head_dim=192, intermediate_size=2048, vocab_size=49152,
+                             rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=4096)
+    shape = drafter_shape(target, c.drafter, num_aux=len(c.aux_layers), draft_vocab_size=c.drafter.draft_vocab_size)
+    H, I, Vd, heads = 7168, 18432, 32000, 64 * 128
+    by_hand = 3 * H * H + 2 * H * 3 * heads + heads * H + 3 * H * I + 3 * H + H + H * Vd  # fc qkv o mlp norms head
+    assert shape.num_trainable() == by_hand
+    assert round(by_hand / 1e6, 1) == 1190.9
+
+
 def test_smollm2_peer_is_specforges_recipe():
     """ENGINES.md's peer run: first 8,000 ShareGPT first turns under 1,500 characters, SmolLM2's own
     answers (256 new tokens), seq 512, draft vocab 16,384, TTT 7, AdamW 1e-4 cosine, clip 0.5,

@@ -60,6 +60,7 @@ def naive_ttt(d, input_ids, loss_mask, attention_mask, aux, final, target_lm_hea
     draft_ids = vocab.draft_ids
     ce = {s: [] for s in range(steps)}
     hits = [0] * steps
+    row_hit = {}                    # (b, s, t) -> bool, for counted (step, row) pairs
     for b in range(B):
         real = attention_mask[b]
         hid = {}                    # (s, t) -> h_out
@@ -105,10 +106,29 @@ def naive_ttt(d, input_ids, loss_mask, attention_mask, aux, final, target_lm_hea
                 logits = P["lm_head.weight"] @ rms(h2, P["norm.weight"])
                 ce[s].append(-(p * torch.log_softmax(logits, 0)).sum())
                 hits[s] += int(draft_ids[logits.argmax()] == full.argmax())
+                row_hit[(b, s, t)] = bool(draft_ids[logits.argmax()] == full.argmax())
     per_step = [torch.stack(ce[s]).mean() if ce[s] else torch.zeros((), dtype=torch.float64)
                 for s in range(steps)]
     loss = sum(decay ** s * per_step[s] for s in range(steps))
+    naive_ttt.row_hit = row_hit
     return loss, per_step, hits, [len(ce[s]) for s in range(steps)], hid
+
+
+def naive_chain(loss_mask, attention_mask, row_hit, steps):
+    """(accepted [steps], chained): a chain starts at every row t whose x_{t+2} is a real assistant
+    token, and is accepted through position s when steps 0..s at row t all hit (missing = a miss)."""
+    B, T = loss_mask.shape
+    accepted, chained = [0] * steps, 0
+    for b in range(B):
+        for t in range(T - 2):
+            if not (loss_mask[b, t + 2] and attention_mask[b, t + 2]):
+                continue
+            chained += 1
+            for s in range(steps):
+                if not row_hit.get((b, s, t), False):
+                    break
+                accepted[s] += 1
+    return accepted, chained
 
 
 def grads(d, loss):
@@ -131,6 +151,8 @@ def test_ttt_loss_and_grads_equal_naive_reference():
                       for b in range(2))
     assert ref_counts[0] < wanted_rows
     assert out.count.tolist() == ref_counts and out.correct.tolist() == ref_hits
+    ref_accepted, ref_chained = naive_chain(batch["loss_mask"], batch["attention_mask"], naive_ttt.row_hit, steps)
+    assert out.accepted.tolist() == ref_accepted and int(out.chained) == ref_chained == wanted_rows
     torch.testing.assert_close(out.loss, ref_loss, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(out.per_step_loss.double(), torch.stack(ref_steps),
                                rtol=1e-6, atol=1e-7)
@@ -138,6 +160,30 @@ def test_ttt_loss_and_grads_equal_naive_reference():
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-9, atol=1e-11, msg=name)
         assert got[name].abs().sum() > 0, name                         # every weight is trained
+
+
+def test_chain_acceptance_counts_a_chain_only_while_every_step_hits():
+    """A drafter that always drafts draft_ids[0] (zero lm_head) against a target whose argmax is that
+    token on most rows: long chains, broken by the rows where it is not and by off-vocab rows. The
+    engine-style acceptance must equal the naive chain count, fall with the position, and stay
+    below the per-step accuracy (which neither needs earlier hits nor counts off-vocab rows)."""
+    d, batch, vocab = make_case(seed=3, B=2, T=12, lengths=(12, 10))
+    steps = 5
+    with torch.no_grad():
+        d.lm_head.weight.zero_()
+        favourite = int(vocab.draft_ids[0])
+        batch["target_lm_head"][favourite] = 0.0
+        batch["target_lm_head"][:, 0] = 0.0
+        batch["final"][..., 0] = torch.where(torch.rand(2, 12) < 0.85, 50.0, -50.0).double()
+        batch["target_lm_head"][favourite, 0] = 1.0
+        out = ttt_loss(d, **batch, vocab=vocab, ttt_steps=steps, decay=0.8)
+    naive_ttt(d, **batch, vocab=vocab, steps=steps, decay=0.8)
+    ref_accepted, ref_chained = naive_chain(batch["loss_mask"], batch["attention_mask"], naive_ttt.row_hit, steps)
+    assert out.accepted.tolist() == ref_accepted and int(out.chained) == ref_chained
+    assert ref_accepted[0] > ref_accepted[1] > ref_accepted[2] > 0          # the case has real chains
+    accept = [a / ref_chained for a in ref_accepted]
+    acc = [c / n for c, n in zip(out.correct.tolist(), out.count.tolist())]
+    assert all(a < b for a, b in zip(accept[1:], acc[1:]))
 
 
 def test_naive_reference_is_the_cached_inference_chain():

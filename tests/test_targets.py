@@ -216,3 +216,19 @@ def test_target_loads_whole_while_a_zero3_run_is_set_up():
     assert params["model.embed_tokens.weight"].shape == w["model.embed_tokens.weight"].shape
     assert all(torch.equal(params[k], w[k]) for k in w if k in params)
     del ds
+
+
+@pytest.mark.parametrize("prefix", ["model.", "language_model.model."])
+def test_final_norm_is_read_under_each_checkpoint_naming(tmp_path, prefix):
+    """The warm start's norm comes from the target's checkpoint (Llama naming, and Kimi-K2.5's
+    language_model wrapper), and a checkpoint without one is an error that names the file."""
+    from safetensors.torch import save_file
+    from eagle3.targets import load_final_norm
+
+    w = torch.rand(8) + 0.5
+    save_file({f"{prefix}norm.weight": w, f"{prefix}embed_tokens.weight": torch.randn(4, 8)},
+              str(tmp_path / "model.safetensors"))
+    assert torch.equal(load_final_norm(tmp_path), w)
+    save_file({"model.embed_tokens.weight": torch.randn(4, 8)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(KeyError, match=str(tmp_path)):
+        load_final_norm(tmp_path)

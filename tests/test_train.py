@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,6 +52,25 @@ def test_tiny_end_to_end_writes_exports_curves_and_metrics(tiny_run):
     # the vocab saved with the run and every checkpoint is the exported one
     vocab = load_file(str(run / "checkpoints" / "step_0000004" / "vocab.safetensors"))
     assert torch.equal(vocab["d2t"], t["d2t"])
+
+
+def test_head_from_target_starts_the_drafter_in_the_targets_output_space(tiny_run, tmp_path):
+    """drafter.head_from_target: with lr 0 the exported lm_head is exactly the target's lm_head rows
+    of the draft vocab (d2t: target id - draft id) and norm is the target's final norm."""
+    from eagle3.export import load_export
+    from eagle3.targets import load_final_norm, load_head, resolve_target
+
+    run_train("+experiment=tiny", f"run_dir={tmp_path}/warm", f"data.features_dir={tiny_run}/features",
+              "train.steps=1", "optim.lr=0", "optim.weight_decay=0", "drafter.head_from_target=true")
+    t, _ = load_export(tmp_path / "warm" / "export" / "vllm")
+    tc = OmegaConf.load(tmp_path / "warm" / "config.yaml").target
+    target_dir = resolve_target(tc.source, tc.path, tc.name, tc.arch, dict(tc.random_config), tc.seed)
+    _, head = load_head(target_dir)
+    target_ids = t["d2t"] + torch.arange(len(t["d2t"]))
+    close = dict(rtol=1e-2, atol=1e-6)        # the export is bf16
+    torch.testing.assert_close(t["lm_head.weight"].float(), head[target_ids].float(), **close)
+    torch.testing.assert_close(t["norm.weight"].float(), load_final_norm(target_dir).float(), **close)
+    assert not torch.allclose(t["lm_head.weight"].float(), head[:len(target_ids)].float(), **close)
 
 
 def test_resume_continues_exactly(tiny_run):

@@ -10,12 +10,13 @@ Jobs (each a plain command of this repository, logged to WORK/logs/NAME.log):
     scale_*      train.py on the regenerated answers of the first conversations holding 8k / 20k
                  prompts, and of all of them
     eval_*       evaluate.py (hf backend: our reference, counting tau as the engines do) per group
-    zero_*       issue 8: ZeRO-2 / ZeRO-3 on 2 GPUs against 1 GPU, same global batch
+    zero_*       issue 8: ZeRO-2 / ZeRO-3 on 2 GPUs against 1 GPU, same global batch (tiny target)
+    kimi_zero3_* issue 8: the Kimi-size drafter under ZeRO-3, 1 GPU against 2 (conf/experiment/kimi_dims)
 A job starts once its dependencies have finished; at most --per-gpu jobs share a GPU. WORK/status.json
 says what ran, how long, and the exit codes. Rerunning skips jobs already done; --only runs a subset
 (a dependency outside it counts as done), e.g. what the first session left unrun:
     --only regen_all,scale_8k,scale_20k,scale_all,scale_all_lr3e-4,eval_scale,eval_scale_more,\
-           peer_lr1e-3_original,zero3_1gpu,zero3_2gpu,speed_1gpu,speed_2gpu
+           peer_lr1e-3_original,zero3_1gpu,zero3_2gpu,kimi_zero3_1gpu,kimi_zero3_2gpu
 """
 from __future__ import annotations
 
@@ -92,7 +93,8 @@ def build_jobs(work: Path, dry: bool, gpus: int, regen_minutes: float = 0.0, reg
     scale = {"scale_8k": 8000, "scale_20k": 20000, "scale_all": 0}
     if dry:                                                     # tiny: 8 and 20 prompts
         scale = {k: v // 1000 for k, v in scale.items()}
-    scale_lr = {"scale_all_lr3e-4": ["optim.lr=3e-4"]}
+    scale_lr = {"scale_all_lr3e-4": ["optim.lr=3e-4"],
+                "scale_all_warm": ["drafter.head_from_target=true"]}     # lm_head and norm from the target
     # Regeneration beside six trainings managed only 4,096 conversations per GPU in 447 s: regen_peer
     # runs alone; regen_all shares its GPUs with at most per_gpu - 1 other jobs, and with
     # --regen-minutes it stops starting chunks in time (the scale runs then train on what it answered)
@@ -122,13 +124,18 @@ def build_jobs(work: Path, dry: bool, gpus: int, regen_minutes: float = 0.0, reg
                             deps=["regen_peer"] if z == 2 else ["zero2_1gpu"]))
             jobs.append(Job(f"zero{z}_2gpu", [*launch, "train.py", *base, f"dist=zero{z}",
                                               f"run_dir={runs / f'zero{z}_2gpu'}"], deps=[f"zero{z}_1gpu"], gpus=2))
-        # tokens/s and memory per GPU: the peer recipe for 150 steps, alone on its GPUs, after all else
-        speed = ["+experiment=smollm2_peer", "train.steps=150", "train.wandb=false", "dist=zero2", "optim.lr=1e-3"]
-        last = [j.name for j in jobs]
-        jobs.append(Job("speed_1gpu", [PY, "train.py", *speed, f"run_dir={runs / 'speed_1gpu'}"], after=last,
-                        deps=["regen_peer"], exclusive=True))
-        jobs.append(Job("speed_2gpu", [*launch, "train.py", *speed, f"run_dir={runs / 'speed_2gpu'}"],
-                        after=last + ["speed_1gpu"], deps=["regen_peer"], gpus=2, exclusive=True))
+        # Kimi-size drafter (1.19B trainable) under ZeRO-3, 1 GPU against 2 with the same global batch:
+        # the losses must agree, and the pair gives tokens/s scaling and memory per GPU; alone on
+        # their GPUs, eager (no compile time inside the timing)
+        kimi = ["+experiment=kimi_dims", "train.compile=false"]
+        kimi_launch = [*launch[:-1], "29612"]
+        jobs.append(Job("kimi_zero3_1gpu", [PY, "train.py", *kimi, f"run_dir={runs / 'kimi_zero3_1gpu'}"],
+                        exclusive=True))
+        jobs.append(Job("kimi_zero3_2gpu", [*kimi_launch, "train.py", *kimi, f"run_dir={runs / 'kimi_zero3_2gpu'}"],
+                        deps=["kimi_zero3_1gpu"], gpus=2, exclusive=True))
+        for j in jobs:        # the at-scale regeneration waits for the scale-out checks (they are short)
+            if j.name == "regen_all":
+                j.after = ["zero3_2gpu", "kimi_zero3_2gpu"]
     return jobs
 
 
