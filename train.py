@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -76,9 +77,12 @@ def main(cfg) -> None:
     mixed = c.dist.mixed_precision if c.dist.mixed_precision != "auto" else ("bf16" if use_cuda else "no")
     ds_plugin = None
     if c.dist.deepspeed:
-        for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29517"), ("RANK", "0"),
-                     ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
-            os.environ.setdefault(k, v)   # a plain `python train.py` is a world of one
+        # a plain `python train.py` is a world of one; its rendezvous port is a free one, so two
+        # such runs on one machine do not collide (a fixed port did, on 2 H200s)
+        for k, v in (("MASTER_ADDR", "127.0.0.1"), ("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+            os.environ.setdefault(k, v)
+        if "MASTER_PORT" not in os.environ:
+            os.environ["MASTER_PORT"] = str(free_port())
         ds_plugin = DeepSpeedPlugin(zero_stage=c.dist.zero_stage, gradient_clipping=c.optim.grad_clip,
                                     offload_optimizer_device="cpu" if c.dist.offload_optimizer else "none",
                                     zero3_save_16bit_model=True)   # ZeRO-3: gather the weights for the export
@@ -276,8 +280,9 @@ def main(cfg) -> None:
 
     # ---- save, export, curves ----
     checkpoint.save(acc, run_dir, total, vocab_path)
-    state = {k.removeprefix("drafter."): v for k, v in acc.get_state_dict(model).items()}
+    full = acc.get_state_dict(model)   # ZeRO-3: gathered by every rank, returned on the main one only
     if is_main:
+        state = {k.removeprefix("drafter."): v for k, v in full.items()}
         exports = export_drafter(run_dir / "export", state, shape, vocab.d2t, vocab.t2d, aux_layers,
                                  info.model_type, info.name, info.fingerprint)
         curves = plot_runs([run_dir], run_dir / "curves.png")
@@ -369,6 +374,12 @@ class Logger:
             self.file.close()
             if self.wandb is not None:
                 self.wandb.finish()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def set_aside_previous_run(run_dir: Path) -> None:
