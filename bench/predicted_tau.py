@@ -1,0 +1,96 @@
+"""Does the training-side estimate of tau predict what decoding measures?
+
+For each prompt of an evaluation set: the exported drafter drafts for the target through
+eagle3.specdec.spec_decode (our reference engine: greedy chain drafting, the engines' counting) and
+that gives the served tau; then the target's answer is captured the way training captures it
+(capture.hf.capture_batch) and read by the same drafter through eagle3.loss.ttt_loss, whose chain
+acceptance (`accepted` / `chained`) gives the training-side estimate 1 + sum_s accept[s]. Both are
+printed per draft position, on the same prompts and the same answer tokens.
+
+    python bench/predicted_tau.py --drafter runs/gpu4/scale_all --prompts mt_bench --num-prompts 20
+    python bench/predicted_tau.py --drafter results/smollm2-drafter --prompts sharegpt_heldout
+
+The two count different starts: decoding starts a chain only after each verify, the estimate at
+every answer token. They agree when acceptance does not depend much on where a chain starts.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from capture.hf import capture_batch  # noqa: E402
+from eagle3.evaluation import load_prompts, render, stop_token_ids  # noqa: E402
+from eagle3.export import load_export  # noqa: E402
+from eagle3.loss import ttt_loss  # noqa: E402
+from eagle3.specdec import load_hf_drafter, spec_decode  # noqa: E402
+from eagle3.targets import (default_aux_layers, load_head, load_target_model, load_tokenizer,  # noqa: E402
+                            resolve_target)
+from eagle3.vocab import DraftVocab  # noqa: E402
+
+
+def export_dir(path: Path) -> Path:
+    for d in (path, path / "export" / "vllm"):
+        if (d / "config.json").is_file():
+            return d
+    raise FileNotFoundError(f"{path}: neither a drafter export nor a run directory with export/vllm")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--drafter", type=Path, required=True, help="export dir or run dir")
+    ap.add_argument("--prompts", default="mt_bench", help="mt_bench | sharegpt_heldout | a .jsonl")
+    ap.add_argument("--num-prompts", type=int, default=20)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--num-steps", type=int, default=3, help="draft chain length")
+    ap.add_argument("--heldout-fraction", type=float, default=0.02, help="sharegpt_heldout: the split")
+    args = ap.parse_args()
+    torch.set_grad_enabled(False)
+
+    target_dir = resolve_target("gguf", "", "smollm2", "llama", {}, 0)
+    model = load_target_model(target_dir, torch.float32, "cpu")
+    tok = load_tokenizer(target_dir)
+    stop = stop_token_ids(tok, target_dir)
+    aux_layers = default_aux_layers(model.config.num_hidden_layers)
+    edir = export_dir(args.drafter)
+    tensors, _ = load_export(edir)
+    vocab = DraftVocab(tensors["d2t"], tensors["t2d"])
+    drafter = load_hf_drafter(edir, model)
+    _, lm_head = load_head(target_dir)
+    S = args.num_steps
+
+    served = torch.zeros(S)
+    verifies = 0
+    accepted = torch.zeros(S)
+    chained = 0
+    t0 = time.time()
+    prompts = load_prompts(args.prompts, args.num_prompts, heldout_fraction=args.heldout_fraction)
+    for n, p in enumerate(prompts, 1):
+        ids = render(tok, p.messages)
+        out, counts, _ = spec_decode(model, drafter, ids, aux_layers, S, args.max_new_tokens, stop)
+        served += torch.tensor(counts.accepted_per_pos, dtype=torch.float32)
+        verifies += counts.num_drafts
+        seq = torch.tensor([ids + out])
+        loss_mask = torch.zeros_like(seq)
+        loss_mask[0, len(ids):] = 1
+        bt = capture_batch(model, seq, torch.ones_like(seq), loss_mask, aux_layers, [p.id])
+        o = ttt_loss(drafter.model, bt.input_ids, bt.loss_mask, bt.attention_mask, bt.aux, bt.final, lm_head, vocab,
+                     ttt_steps=S)
+        accepted += o.accepted.float()
+        chained += int(o.chained)
+        print(f"[{n}/{len(prompts)}] {len(out)} tokens, {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
+    per_served = (served / max(verifies, 1)).tolist()
+    per_est = (accepted / max(chained, 1)).tolist()
+    print(f"drafter {edir}, {len(prompts)} prompts of {args.prompts}, chain {S}, {args.max_new_tokens} new tokens")
+    print(f"served (spec_decode):          tau {1 + sum(per_served):.3f}  per position "
+          + " / ".join(f"{a:.3f}" for a in per_served) + f"  ({verifies} verifies)")
+    print(f"estimate (ttt_loss chain acc): tau {1 + sum(per_est):.3f}  per position "
+          + " / ".join(f"{a:.3f}" for a in per_est) + f"  ({chained} chain starts)")
+
+
+if __name__ == "__main__":
+    main()
