@@ -357,7 +357,7 @@ def markdown_table(rows: Sequence[dict], settings: dict, production_baseline_tok
              f"{s.get('num_draft_tokens')} draft tokens per verify), max {s.get('max_new_tokens')} new tokens, "
              f"{s.get('num_prompts')} prompts per set, batch 1. tau = tokens per target verify step "
              f"incl. the bonus token ({rows[0]['tau_rule'] if rows else ''} rule).", ""]
-    prod = f" | production baseline tok/s" if production_baseline_tok_s else ""
+    prod = " | production baseline tok/s" if production_baseline_tok_s else ""
     lines.append("| drafter | prompts | tau | accept per position | drafts | accepted | tok/s | "
                  f"baseline tok/s{prod} | speedup | mismatches |")
     lines.append("|" + "---|" * (10 + bool(production_baseline_tok_s)))

@@ -3,8 +3,6 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
-from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 from hydra.errors import ConfigCompositionException
 
 from eagle3 import config as schema
