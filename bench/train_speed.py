@@ -5,6 +5,7 @@
         --vocab 1000 --draft-vocab 256 --seq 128 --ttt 7 --steps 5 --device cpu --dtype fp32
     python bench/train_speed.py --preset kimi --seq 2048 --steps 20 --device cuda --dtype bf16
     python bench/train_speed.py --preset kimi --seq 2048 --device cuda --dtype bf16 --compile both
+    python bench/train_speed.py --preset kimi --seq 2048 --device cuda --dtype bf16 --check-numerics
 
 --compile: whether eagle3/fused.py's elementwise chains run through torch.compile (auto: on a GPU
 only, the library's default); `both` measures eager then compiled in one process, same dims, same
@@ -72,6 +73,9 @@ def parse_args():
     ap.add_argument("--profile", action="store_true", help="print where one step's time goes")
     ap.add_argument("--compile", choices=["auto", "on", "off", "both"], default="auto",
                     help="fused elementwise kernels through torch.compile (see the module doc)")
+    ap.add_argument("--check-numerics", action="store_true",
+                    help="instead of timing: loss and gradients of eager and compiled (in --dtype) "
+                         "against an fp32 eager reference, same weights and batch")
     args = ap.parse_args()
     for key, value in PRESETS.get(args.preset, {}).items():
         if getattr(args, key) is None:
@@ -247,6 +251,42 @@ def measure(args, shape: DrafterShape, device, cdtype):
         profile_step(lambda: (forward_backward(), optimizer_step()), device)
 
 
+def check_numerics(args, shape: DrafterShape, device, cdtype):
+    """One forward + backward per mode on the same weights and batch: eager and compiled in the
+    compute dtype (autocast for bf16, as train.py runs) against eager fp32; relative errors of
+    the loss and relative L2 of all trainable gradients together (the tolerance docs/perf.md
+    states: loss 1e-5, gradients 2e-2 against fp32)."""
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Eagle3Drafter(shape)
+    batch, head, vocab = synthetic_batch(shape, args.batch, args.seq, device, torch.float32, gen)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+
+    def run(dtype, compiled):
+        fused.set_enabled(compiled)
+        b = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in batch.items()}
+        ctx = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
+        model.embed_tokens.to(dtype)
+        with ctx:
+            out = ttt_loss(model, **b, target_lm_head=head.to(dtype), vocab=vocab, ttt_steps=args.ttt)
+        out.loss.backward()
+        grads = torch.cat([p.grad.flatten().float() for p in trainable])
+        model.zero_grad(set_to_none=True)
+        model.embed_tokens.float()
+        return float(out.loss.detach()), grads
+
+    ref_loss, ref_grads = run(torch.float32, False)
+    results = {"eager": run(cdtype, False), "compiled": run(cdtype, True)}
+    print(f"numerics      fp32 eager reference loss {ref_loss:.6f}, {ref_grads.numel() / 1e6:.1f}M gradients")
+    for name, (loss, grads) in results.items():
+        print(f"numerics      {args.dtype} {name:8s}: loss rel err {abs(loss - ref_loss) / abs(ref_loss):.2e}, "
+              f"gradient rel L2 {float((grads - ref_grads).norm() / ref_grads.norm()):.2e}")
+    (le, ge), (lc, gc_) = results["eager"], results["compiled"]
+    print(f"numerics      compiled vs eager ({args.dtype}): loss rel {abs(lc - le) / abs(le):.2e}, "
+          f"gradient rel L2 {float((gc_ - ge).norm() / ge.norm()):.2e}")
+
+
 def main():
     args = parse_args()
     device = torch.device(args.device)
@@ -261,6 +301,9 @@ def main():
     print(f"shape         {shape}")
     print(f"params        {shape.num_trainable() / 1e6:.1f}M trainable "
           f"(+{shape.vocab_size * shape.hidden_size / 1e6:.1f}M frozen embedding)")
+    if args.check_numerics:
+        check_numerics(args, shape, device, cdtype)
+        return
     modes = {"auto": [None], "on": [True], "off": [False], "both": [False, True]}[args.compile]
     for flag in modes:
         fused.set_enabled(flag)
