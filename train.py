@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -31,6 +30,7 @@ from eagle3.loss import TTTOutput, step_counts, target_teacher, ttt_loss, unigra
 from eagle3.model import Eagle3Drafter, drafter_shape
 from eagle3.plots import plot_runs
 from capture.run import capture_features
+from capture.sglang_server import free_port
 from eagle3.targets import (default_aux_layers, load_final_norm, load_head, load_tokenizer, resolve_target,
                             target_info)
 from eagle3.vocab import DraftVocab, build_vocab, count_tokens
@@ -160,8 +160,10 @@ def main(cfg) -> None:
     torch.manual_seed(c.train.seed)   # the same init whether or not this process captured or built a target first
     drafter = Eagle3Drafter(shape)
     drafter.set_target_embedding(embed)
-    if c.drafter.head_from_target:
-        drafter.start_head_from_target(lm_head[vocab.draft_ids], load_final_norm(target_dir))
+    if c.drafter.head_from_target:   # warm start: the target's own output space (its lm_head rows, final norm)
+        with torch.no_grad():
+            drafter.lm_head.weight.copy_(lm_head[vocab.draft_ids])
+            drafter.norm.weight.copy_(load_final_norm(target_dir))
     lm_head = lm_head.to(device, compute_dtype)
     vocab = vocab.to(device)
     model = Objective(drafter, vocab, c.train.ttt_steps, c.train.step_decay)
@@ -250,8 +252,7 @@ def main(cfg) -> None:
         if step % c.train.log_every == 0 or step == total - 1:
             row = stats.reduce(acc, batches=1)
             elapsed = time.time() - t0
-            cuda = device.type == "cuda"
-            mem = {"max_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30} if cuda else {}
+            mem = {"max_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30} if use_cuda else {}
             log.write({"step": step, "split": "train", "lr": lr, **row,
                        "tok_s": tokens_seen * world / max(elapsed, 1e-9), **mem})
         if held_idx and (step % c.train.eval_every == 0 or step == total - 1):
@@ -374,12 +375,6 @@ class Logger:
             self.file.close()
             if self.wandb is not None:
                 self.wandb.finish()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def set_aside_previous_run(run_dir: Path) -> None:

@@ -25,19 +25,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from capture.hf import capture_batch  # noqa: E402
 from eagle3.evaluation import load_prompts, render, stop_token_ids  # noqa: E402
-from eagle3.export import load_export  # noqa: E402
+from eagle3.export import find_export, load_export  # noqa: E402
 from eagle3.loss import ttt_loss  # noqa: E402
 from eagle3.specdec import load_hf_drafter, spec_decode  # noqa: E402
 from eagle3.targets import (default_aux_layers, load_head, load_target_model, load_tokenizer,  # noqa: E402
                             resolve_target)
 from eagle3.vocab import DraftVocab  # noqa: E402
-
-
-def export_dir(path: Path) -> Path:
-    for d in (path, path / "export" / "vllm"):
-        if (d / "config.json").is_file():
-            return d
-    raise FileNotFoundError(f"{path}: neither a drafter export nor a run directory with export/vllm")
 
 
 def main() -> None:
@@ -56,7 +49,7 @@ def main() -> None:
     tok = load_tokenizer(target_dir)
     stop = stop_token_ids(tok, target_dir)
     aux_layers = default_aux_layers(model.config.num_hidden_layers)
-    edir = export_dir(args.drafter)
+    edir = find_export(args.drafter, "vllm")
     tensors, _ = load_export(edir)
     vocab = DraftVocab(tensors["d2t"], tensors["t2d"])
     drafter = load_hf_drafter(edir, model)

@@ -72,8 +72,8 @@ class TTTOutput:
     per_step_loss: torch.Tensor   # [S] fp32, detached: mean soft CE over step s's counted rows
     correct: torch.Tensor         # [S] int64: counted rows where draft argmax == target argmax
     count: torch.Tensor           # [S] int64: counted rows
-    accepted: Optional[torch.Tensor] = None   # [S] int64: chain rows whose steps 0..s all hit
-    chained: Optional[torch.Tensor] = None    # int64: rows a chain starts at (every assistant token)
+    accepted: torch.Tensor        # [S] int64: chain rows whose steps 0..s all hit
+    chained: torch.Tensor         # int64: rows a chain starts at (every assistant token)
 
     @property
     def acc(self) -> List[float]:
@@ -193,7 +193,7 @@ def ttt_loss(drafter: Eagle3Drafter, input_ids: torch.Tensor, loss_mask: torch.T
             extra[1].append(v)
         n = T - 2 - s                                   # rows whose predicted token x_{t+2+s} exists
         if n <= 0:
-            alive = alive & False
+            alive = torch.zeros_like(alive)
             continue
         counted = counted_rows(loss_mask, real, top, t2d, s)              # [B, n]
         b, t = counted.nonzero(as_tuple=True)

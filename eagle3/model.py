@@ -486,14 +486,6 @@ class Eagle3Drafter(nn.Module):
         with torch.no_grad():
             self.embed_tokens.weight.copy_(weight)
 
-    def start_head_from_target(self, lm_head_rows: torch.Tensor, final_norm: torch.Tensor) -> None:
-        """Warm start: lm_head = the target's lm_head rows of the draft vocab [Vd, H], norm = the
-        target's final norm [H], so drafting starts in the target's own output space and the layer
-        has to learn only to produce the next position's final hidden state."""
-        with torch.no_grad():
-            self.lm_head.weight.copy_(lm_head_rows)
-            self.norm.weight.copy_(final_norm)
-
     def exportable_state_dict(self) -> Dict[str, torch.Tensor]:
         """Every trainable weight under its export name (no embed_tokens); d2t/t2d come from
         the DraftVocab."""

@@ -274,11 +274,11 @@ def load_tokenizer(model_dir: str | Path, chat_template_file: str = "", trust_re
     return tok
 
 
-def _read_first(d: Path, names: tuple) -> torch.Tensor | None:
-    """The first of `names` the checkpoint holds, opening only its shard; None if none."""
+def _read_first(d: Path, where: dict[str, str], names: tuple) -> torch.Tensor | None:
+    """The first of `names` the checkpoint holds (`where`: _tensor_locations), opening only its
+    shard; None if none."""
     from safetensors import safe_open
 
-    where = _tensor_locations(d)
     for n in names:
         if n in where:
             with safe_open(str(d / where[n]), framework="pt") as f:
@@ -288,7 +288,8 @@ def _read_first(d: Path, names: tuple) -> torch.Tensor | None:
 
 def load_final_norm(model_dir: str | Path) -> torch.Tensor:
     """The target's final RMSNorm weight [H] (the norm `final` has been through)."""
-    w = _read_first(Path(model_dir), FINAL_NORM_NAMES)
+    d = Path(model_dir)
+    w = _read_first(d, _tensor_locations(d), FINAL_NORM_NAMES)
     if w is None:
         raise KeyError(f"{model_dir}: no final norm tensor; looked for {', '.join(FINAL_NORM_NAMES)}")
     return w
@@ -301,15 +302,12 @@ def load_head(model_dir: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
     or no lm_head tensor) return the embedding for both.
     """
     d = Path(model_dir)
-
-    def read(names: tuple) -> torch.Tensor | None:
-        return _read_first(d, names)
-
-    embed = read(EMBED_NAMES)
+    where = _tensor_locations(d)
+    embed = _read_first(d, where, EMBED_NAMES)
     if embed is None:
         raise KeyError(f"{d}: no embedding tensor; looked for {', '.join(EMBED_NAMES)}")
     top = json.loads((d / "config.json").read_text()) if (d / "config.json").is_file() else {}
-    lm_head = None if _tied(top) else read(LM_HEAD_NAMES)
+    lm_head = None if _tied(top) else _read_first(d, where, LM_HEAD_NAMES)
     return embed, (embed if lm_head is None else lm_head)
 
 

@@ -98,9 +98,11 @@ def build_jobs(work: Path, dry: bool, gpus: int, regen_minutes: float = 0.0, reg
     # Regeneration beside six trainings managed only 4,096 conversations per GPU in 447 s: regen_peer
     # runs alone; regen_all shares its GPUs with at most per_gpu - 1 other jobs, and with
     # --regen-minutes it stops starting chunks in time (the scale runs then train on what it answered)
+    # with 2 GPUs the at-scale regeneration waits for the scale-out checks below (they are short)
     jobs = [Job("regen_peer", regen("smollm2_peer"), gpus=0, exclusive=True),
             Job("regen_all", regen("smollm2_scale", f"capture.regen_minutes={regen_minutes}",
-                                   f"capture.regen_chunk={regen_chunk}"), deps=["regen_peer"], gpus=0)]
+                                   f"capture.regen_chunk={regen_chunk}"), deps=["regen_peer"], gpus=0,
+                after=["zero3_2gpu", "kimi_zero3_2gpu"] if gpus >= 2 else [])]
     jobs += [Job(n, train("smollm2_peer", n, *o), deps=["regen_peer"]) for n, o in peer.items()]
     jobs += [Job(n, scale_train(n, k), deps=["regen_all"]) for n, k in scale.items()]
     jobs += [Job(n, scale_train(n, 0, *o), deps=["regen_all"]) for n, o in scale_lr.items()]
@@ -133,9 +135,6 @@ def build_jobs(work: Path, dry: bool, gpus: int, regen_minutes: float = 0.0, reg
                         exclusive=True))
         jobs.append(Job("kimi_zero3_2gpu", [*kimi_launch, "train.py", *kimi, f"run_dir={runs / 'kimi_zero3_2gpu'}"],
                         deps=["kimi_zero3_1gpu"], gpus=2, exclusive=True))
-        for j in jobs:        # the at-scale regeneration waits for the scale-out checks (they are short)
-            if j.name == "regen_all":
-                j.after = ["zero3_2gpu", "kimi_zero3_2gpu"]
     return jobs
 
 
