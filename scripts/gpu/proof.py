@@ -60,7 +60,8 @@ def prompts_prefix(regen_jsonl: Path, n_prompts: int) -> int:
     return 0
 
 
-def build_jobs(work: Path, dry: bool, gpus: int, regen_minutes: float = 0.0, regen_chunk: int = 4096) -> List[Job]:
+def build_jobs(work: Path, dry: bool, gpus: int, regen_minutes: float = 0.0, regen_chunk: int = 4096,
+               answers: Optional[Path] = None) -> List[Job]:
     tiny = (["target=tiny_llama", "aux_layers=[2,3,4]", "data.num_samples=24", "train.steps=4",
              "train.batch_size=4", "drafter.draft_vocab_size=512", "capture.regen_max_new_tokens=8",
              "capture.regen_batch_size=8", "data.max_length=256"] if dry else [])
@@ -75,7 +76,7 @@ def build_jobs(work: Path, dry: bool, gpus: int, regen_minutes: float = 0.0, reg
 
     def scale_train(name, n_prompts, *over):
         def cmd():
-            path = _regen_path_from_log(work / "logs" / "regen_all.log")
+            path = answers or _regen_path_from_log(work / "logs" / "regen_all.log")
             n = prompts_prefix(path, n_prompts) if n_prompts else 0
             if n_prompts and not n:
                 raise RuntimeError(f"{path} holds fewer than {n_prompts} answered prompts")
@@ -94,7 +95,11 @@ def build_jobs(work: Path, dry: bool, gpus: int, regen_minutes: float = 0.0, reg
     if dry:                                                     # tiny: 8 and 20 prompts
         scale = {k: v // 1000 for k, v in scale.items()}
     scale_lr = {"scale_all_lr3e-4": ["optim.lr=3e-4"],
-                "scale_all_warm": ["drafter.head_from_target=true"]}     # lm_head and norm from the target
+                "scale_all_warm": ["drafter.head_from_target=true"],     # lm_head and norm from the target
+                # several epochs over all 58k answers; a SmolLM2 step of 16 sequences is launch-bound
+                # on an H200 (about 10 ms of matmuls in 0.2 s), so larger batches come almost free
+                "long_b64": ["train.batch_size=64", "optim.lr=2e-3", "train.epochs=3"],
+                "long_b128": ["train.batch_size=128", "optim.lr=3e-3", "train.epochs=3"]}
     # Regeneration beside six trainings managed only 4,096 conversations per GPU in 447 s: regen_peer
     # runs alone; regen_all shares its GPUs with at most per_gpu - 1 other jobs, and with
     # --regen-minutes it stops starting chunks in time (the scale runs then train on what it answered)
@@ -153,6 +158,7 @@ def main() -> None:
     ap.add_argument("--only", default="", help="comma-separated job names (and nothing else)")
     ap.add_argument("--regen-minutes", type=float, default=0.0, help="regen_all: time limit (0 = none)")
     ap.add_argument("--regen-chunk", type=int, default=4096, help="regen_all: conversations answered together")
+    ap.add_argument("--answers", type=Path, help="scale_* train on this answer file instead of regen_all's")
     args = ap.parse_args()
     import torch
 
@@ -162,7 +168,7 @@ def main() -> None:
     status_path = work / "status.json"
     done = {k for k, v in json.loads(status_path.read_text()).items() if v["state"] == "ok"} \
         if status_path.exists() else set()
-    jobs = build_jobs(work, args.dry_run, gpus, args.regen_minutes, args.regen_chunk)
+    jobs = build_jobs(work, args.dry_run, gpus, args.regen_minutes, args.regen_chunk, args.answers)
     if args.only:
         keep = set(args.only.split(","))
         jobs = [j for j in jobs if j.name in keep]
