@@ -71,6 +71,7 @@ def parse_args():
     ap.add_argument("--clip", type=float, default=0.5)
     ap.add_argument("--peak-tflops", type=float, help="default: measured matmul throughput")
     ap.add_argument("--profile", action="store_true", help="print where one step's time goes")
+    ap.add_argument("--shapes", action="store_true", help="with --profile: also by op and input shapes")
     ap.add_argument("--compile", choices=["auto", "on", "off", "both"], default="auto",
                     help="fused elementwise kernels through torch.compile (see the module doc)")
     ap.add_argument("--check-numerics", action="store_true",
@@ -106,11 +107,12 @@ def done_flops(s: DrafterShape, B: int, T: int, steps: int) -> float:
     return train_flops(s, B, T, steps) - 3 * embed_qkv * (steps - 1) - fc
 
 
-def profile_step(run_step, device, rows: int = 25):
-    """One step under torch.profiler: kernels by total time, and the share of the big groups."""
+def profile_step(run_step, device, rows: int = 25, shapes: bool = False):
+    """One step under torch.profiler: kernels by total time, and the share of the big groups;
+    with `shapes`, also the aten ops by input shapes (which copy, which add)."""
     from torch.profiler import ProfilerActivity, profile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=acts) as prof:
+    with profile(activities=acts, record_shapes=shapes) as prof:
         run_step()
         sync(device)
     key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
@@ -135,6 +137,11 @@ def profile_step(run_step, device, rows: int = 25):
         f"{g} {v / 1e3:.1f} ms ({v / max(total, 1):.0%})" for g, v in share.items())
         + f", rest {(total - sum(share.values())) / 1e3:.1f} ms")
     print(prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60))
+    if shapes:   # aten ops only (a kernel row has no shapes), by their own device time
+        ops = [e for e in prof.key_averages(group_by_input_shape=True) if e.key.startswith("aten::")]
+        print(f"{'op':32s} {'self ms':>8s} {'calls':>5s}  input shapes")
+        for e in sorted(ops, key=lambda e: -getattr(e, key))[:3 * rows]:
+            print(f"{e.key:32s} {getattr(e, key) / 1e3:8.2f} {e.count:5d}  {str(e.input_shapes)[:110]}")
 
 
 def sync(device):
@@ -248,7 +255,7 @@ def measure(args, shape: DrafterShape, device, cdtype):
           f"({'given' if args.peak_tflops else 'measured matmul'})")
 
     if args.profile:
-        profile_step(lambda: (forward_backward(), optimizer_step()), device)
+        profile_step(lambda: (forward_backward(), optimizer_step()), device, shapes=args.shapes)
 
 
 def check_numerics(args, shape: DrafterShape, device, cdtype):
