@@ -28,6 +28,7 @@ from eagle3.data import is_heldout
 from eagle3.features import FeatureDataset, check_compatible, collate, template_sha256
 from eagle3.loss import TTTOutput, step_counts, target_teacher, ttt_loss, unigram_correct
 from eagle3.model import Eagle3Drafter, drafter_shape
+from eagle3.optim import adamw, clip_grad_norm
 from eagle3.plots import plot_runs
 from capture.run import capture_features
 from capture.sglang_server import free_port
@@ -175,8 +176,9 @@ def main(cfg) -> None:
         for p in (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight):
             register_external_parameter(model, p)
     trainable = [p for p in drafter.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=c.optim.lr, betas=tuple(c.optim.betas),
-                                  weight_decay=c.optim.weight_decay)
+    # fused on a GPU; DeepSpeed steps its own flat partitions (and clips by itself)
+    optimizer = adamw(trainable, c.optim.lr, c.optim.betas, c.optim.weight_decay,
+                      fused=use_cuda and ds_plugin is None)
     per_rank = c.train.batch_size // world
     micro = c.train.micro_batch_size or per_rank
     if per_rank * world != c.train.batch_size or per_rank % micro:
@@ -245,7 +247,7 @@ def main(cfg) -> None:
             tokens_seen += int(bt.attention_mask.sum())
         del parts
         if ds_plugin is None and c.optim.grad_clip > 0:
-            acc.clip_grad_norm_(trainable, c.optim.grad_clip)
+            clip_grad_norm(optimizer, trainable, c.optim.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 

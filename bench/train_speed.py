@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from eagle3 import fused  # noqa: E402
 from eagle3.loss import ttt_loss  # noqa: E402
 from eagle3.model import DrafterShape, Eagle3Drafter  # noqa: E402
+from eagle3.optim import adamw, clip_grad_norm  # noqa: E402
 from eagle3.vocab import DraftVocab  # noqa: E402
 
 # Kimi-K2.5's drafter (the published Kimi-K2 EAGLE-3 drafter's dims): 1.19B trainable parameters.
@@ -193,8 +194,7 @@ def measure(args, shape: DrafterShape, device, cdtype):
         model = Eagle3Drafter(shape)                          # fp32 master weights
     model.embed_tokens.to(cdtype)                             # frozen: no master copy needed
     trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(trainable, lr=args.lr, betas=(0.9, 0.95),
-                            fused=device.type == "cuda")
+    opt = adamw(trainable, args.lr, (0.9, 0.95), 0.0, fused=device.type == "cuda")
     batch, head, vocab = synthetic_batch(shape, args.batch, args.seq, device, cdtype, gen)
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bf16"
                 else contextlib.nullcontext())
@@ -208,7 +208,7 @@ def measure(args, shape: DrafterShape, device, cdtype):
         return out
 
     def optimizer_step():
-        torch.nn.utils.clip_grad_norm_(trainable, args.clip)
+        clip_grad_norm(opt, trainable, args.clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
 

@@ -146,14 +146,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (weight * xf.to(x.dtype)).to(x.dtype)
 
 
+def rope_angles(positions: torch.Tensor, d: int, theta: float, dtype: torch.dtype):
+    """cos, sin [B, 1, T, d/2] of Llama's rotary angles (in at least fp32), computed once per call
+    for every head of q and k: per element of q they cost pow, cos and sin, 20x the rotation."""
+    dt = _at_least_fp32(dtype)
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, device=positions.device, dtype=dt) / d))
+    angles = positions.to(dt)[:, None, :, None] * inv_freq
+    return angles.cos(), angles.sin()
+
+
 @fused
-def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Llama (NeoX-style, rotate-half) rotary embedding. x [B, n, T, d], positions [B, T] int."""
-    d, dt = x.shape[-1], _at_least_fp32(x.dtype)
-    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=dt) / d))
-    angles = positions.to(dt)[:, None, :, None] * inv_freq           # [B, 1, T, d/2]
-    cos, sin = angles.cos(), angles.sin()
-    x1, x2 = x.to(dt).chunk(2, dim=-1)
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Llama (NeoX-style, rotate-half) rotary embedding. x [B, n, T, d]; cos, sin from rope_angles."""
+    x1, x2 = x.to(cos.dtype).chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
@@ -345,7 +350,8 @@ class Attention(nn.Module):
         q = q.view(B, T, self.nh, self.d).transpose(1, 2)
         k = k.view(B, T, self.nkv, self.d).transpose(1, 2)
         v = v.view(B, T, self.nkv, self.d).transpose(1, 2)
-        q, k = rope(q, positions, self.theta), rope(k, positions, self.theta)
+        cos, sin = rope_angles(positions, self.d, self.theta, q.dtype)
+        q, k = rope(q, cos, sin), rope(k, cos, sin)
         if extra is not None:
             out = attend(q, keys[0], keys[1], [*extra[0], k], [*extra[1], v])
         elif keys is not None:

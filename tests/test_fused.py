@@ -13,7 +13,7 @@ from torch._dynamo.utils import counters
 
 from eagle3 import fused
 from eagle3.loss import _soft_ce, _soft_ce_grad, ttt_loss
-from eagle3.model import _merge, _merge_backward, _merge_grads, rms_norm, rope, silu_mul
+from eagle3.model import _merge, _merge_backward, _merge_grads, rms_norm, rope, rope_angles, silu_mul
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2 ** -7}
 DTYPES = [torch.float32, torch.bfloat16]
@@ -69,7 +69,7 @@ def test_differentiable_functions(compiled, dtype):
 
     q = rand(2, 3, 5, 16, dtype=dtype, grad=True)
     positions = torch.arange(5).expand(2, 5) + 3
-    (ye, ge), (yc, gc) = eager_and_compiled(rope, q, positions, 1000.0)
+    (ye, ge), (yc, gc) = eager_and_compiled(rope, q, *rope_angles(positions, 16, 1000.0, dtype))
     close(ye, yc, dtype)
     close(ge[0], gc[0], dtype)
 
