@@ -96,10 +96,11 @@ def build_jobs(work: Path, dry: bool, gpus: int, regen_minutes: float = 0.0, reg
         scale = {k: v // 1000 for k, v in scale.items()}
     scale_lr = {"scale_all_lr3e-4": ["optim.lr=3e-4"],
                 "scale_all_warm": ["drafter.head_from_target=true"],     # lm_head and norm from the target
-                # several epochs over all 58k answers; a SmolLM2 step of 16 sequences is launch-bound
-                # on an H200 (about 10 ms of matmuls in 0.2 s), so larger batches come almost free
+                # several epochs over all 58k answers (carry them: --answers), larger batches to buy
+                # epochs (they cost about as much per token as batch 16: docs/results.md)
                 "long_b64": ["train.batch_size=64", "optim.lr=2e-3", "train.epochs=3"],
-                "long_b128": ["train.batch_size=128", "optim.lr=3e-3", "train.epochs=3"]}
+                "long_b128": ["train.batch_size=128", "optim.lr=3e-3", "train.epochs=3"],
+                "long_b64_e5": ["train.batch_size=64", "optim.lr=2e-3", "train.epochs=5"]}   # the committed drafter
     # Regeneration beside six trainings managed only 4,096 conversations per GPU in 447 s: regen_peer
     # runs alone; regen_all shares its GPUs with at most per_gpu - 1 other jobs, and with
     # --regen-minutes it stops starting chunks in time (the scale runs then train on what it answered)
