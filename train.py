@@ -49,12 +49,24 @@ def lr_at(step: int, total: int, peak: float, warmup_fraction: float, min_fracti
     return peak * (min_fraction + (1 - min_fraction) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def batch_indices(step: int, n: int, batch_size: int, seed: int) -> list[int]:
+def batch_indices(step: int, n: int, batch_size: int, seed: int,
+                  lengths: torch.Tensor | None = None, groups: int = 0) -> list[int]:
     """The global batch of `step`: epoch e is a seeded permutation of the n samples, cut into n // B
-    batches (the remainder is dropped), so the data position is a function of the step."""
+    batches (the remainder is dropped), so the data position is a function of the step.
+
+    With `lengths` [n] and groups > 1, each run of `groups` batches of the permutation is sorted by
+    length before it is cut, and the epoch's batches are then shuffled: every batch holds samples
+    of similar length, so far less of it is padding (ShareGPT conversations at batch 64: 47% of
+    the padded tokens are real at random, 97% grouped by 32), while each epoch still sees every
+    sample once, in an order that is still random from batch to batch."""
     per_epoch = n // batch_size
     epoch, k = divmod(step, per_epoch)
-    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    perm = torch.randperm(n, generator=gen)
+    if lengths is not None and groups > 1:
+        perm = torch.cat([run[torch.argsort(lengths[run], stable=True)]
+                          for run in perm[:per_epoch * batch_size].split(groups * batch_size)])
+        perm = perm.view(per_epoch, batch_size)[torch.randperm(per_epoch, generator=gen)].flatten()
     return perm[k * batch_size:(k + 1) * batch_size].tolist()
 
 
@@ -129,6 +141,7 @@ def main(cfg) -> None:
         train_idx = [i for i, h in enumerate(held) if not h]
         held_idx = [i for i, h in enumerate(held) if h]
         tokens_of = lambda i: (ds[i]["input_ids"], ds[i]["loss_mask"])  # noqa: E731
+        length_of = ds.length
         make_batch = lambda idx: collate([ds[i] for i in idx], [ids[i] for i in idx])  # noqa: E731
         data_desc = f"features {features_dir} ({len(train_idx)} train / {len(held_idx)} held-out samples)"
     else:
@@ -137,6 +150,7 @@ def main(cfg) -> None:
         train_idx = list(range(len(src.train)))
         held_idx = list(range(len(src.train), len(src.samples)))
         tokens_of = src.tokens
+        length_of = lambda i: len(src.samples[i].input_ids)  # noqa: E731
         make_batch = src.batch
         data_desc = f"online target {target_dir} ({len(train_idx)} train / {len(held_idx)} held-out)"
     if len(train_idx) < c.train.batch_size:
@@ -205,6 +219,7 @@ def main(cfg) -> None:
               f"{total} steps x {c.train.batch_size} seqs, ttt {c.train.ttt_steps}, device {device}, world {world}")
 
     S = c.train.ttt_steps
+    lengths = torch.tensor([length_of(i) for i in train_idx]) if c.train.length_groups > 1 else None
     # DDP averages gradients over ranks and DeepSpeed also divides by its accumulation steps; each
     # micro-batch's loss is already its share of the global batch's loss, so undo both.
     grad_scale = world * (per_rank // micro if ds_plugin is not None else 1)
@@ -233,7 +248,8 @@ def main(cfg) -> None:
         lr = lr_at(step, total, c.optim.lr, c.optim.warmup_fraction, c.optim.min_lr_fraction)
         for g in optimizer.param_groups:
             g["lr"] = lr
-        idx = batch_indices(step, len(train_idx), c.train.batch_size, c.train.seed)[rank * per_rank:(rank + 1) * per_rank]
+        idx = batch_indices(step, len(train_idx), c.train.batch_size, c.train.seed, lengths,
+                            c.train.length_groups)[rank * per_rank:(rank + 1) * per_rank]
         model.train()
         stats = StepStats(S)
         parts, norm = prepare([train_idx[i] for i in idx])

@@ -327,6 +327,12 @@ class FeatureDataset:
     def sample_id(self, i: int) -> str:
         return self._ids[i]
 
+    def length(self, i: int) -> int:
+        """Tokens of sample i, from its shard's offsets (nothing else is read)."""
+        off = self._tensors(int(self._shard[i]))["offsets"]
+        j = int(self._local[i])
+        return int(off[j + 1]) - int(off[j])
+
     def _tensors(self, s: int) -> Dict[str, torch.Tensor]:
         if s not in self._maps:
             rec = self.manifest["shards"][s]

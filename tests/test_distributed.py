@@ -6,19 +6,22 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from train import batch_indices  # noqa: E402
 
 
+@pytest.mark.parametrize("groups", [0, 3])
 @pytest.mark.parametrize("n,batch,world", [(55, 4, 2), (64, 8, 4), (10, 5, 1)])
-def test_an_epoch_shards_every_sample_at_most_once(n, batch, world):
+def test_an_epoch_shards_every_sample_at_most_once(n, batch, world, groups):
     per_epoch = n // batch
+    lengths = torch.randint(1, 500, (n,), generator=torch.Generator().manual_seed(1))
     for epoch in range(2):
         seen = []
         for step in range(epoch * per_epoch, (epoch + 1) * per_epoch):
-            idx = batch_indices(step, n, batch, seed=3)
+            idx = batch_indices(step, n, batch, 3, lengths, groups)
             per_rank = batch // world
             shards = [idx[r * per_rank:(r + 1) * per_rank] for r in range(world)]
             assert sum(map(len, shards)) == batch
@@ -27,6 +30,38 @@ def test_an_epoch_shards_every_sample_at_most_once(n, batch, world):
         assert set(seen) <= set(range(n))
     # a different epoch is a different order
     assert batch_indices(0, n, batch, 3) != batch_indices(per_epoch, n, batch, 3) or n == batch
+
+
+def test_length_groups_cut_padding_and_keep_the_epoch_random():
+    """Grouped batches: each is a run of similar lengths (padding measured against random
+    batches of the same epoch), the batch order differs between epochs, and the samples of one
+    batch are those of the random permutation's run it came from."""
+    n, batch, groups = 4096, 16, 32
+    torch.manual_seed(0)
+    lengths = (torch.distributions.LogNormal(6.5, 0.8).sample((n,)).clamp(8, 2048)).long()
+    per_epoch = n // batch
+
+    def real_share(gr):
+        real = padded = 0
+        for step in range(per_epoch):
+            b = lengths[batch_indices(step, n, batch, 5, lengths, gr)]
+            real, padded = real + int(b.sum()), padded + int(b.max()) * batch
+        return real / padded
+    random_share, grouped_share = real_share(0), real_share(groups)
+    assert random_share < 0.6 and grouped_share > 0.9, (random_share, grouped_share)
+    # default (no groups) is exactly the plain permutation, so older runs resume unchanged
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(5 * 1_000_003))
+    assert batch_indices(1, n, batch, 5) == perm[batch:2 * batch].tolist()
+    # a grouped batch comes from one run of `groups` batches of that same permutation
+    runs = perm[:per_epoch * batch].split(groups * batch)
+    first = set(batch_indices(0, n, batch, 5, lengths, groups))
+    assert any(first <= set(r.tolist()) for r in runs)
+    # the grouped batches are shuffled: sorted runs left in order would make almost every batch
+    # longer than the one before (all but one per run); shuffled, about half are
+    longest = [int(lengths[batch_indices(k, n, batch, 5, lengths, groups)].max()) for k in range(per_epoch)]
+    rising = sum(b > a for a, b in zip(longest, longest[1:])) / (per_epoch - 1)
+    assert 0.3 < rising < 0.7, rising
+    assert batch_indices(0, n, batch, 5, lengths, groups) != batch_indices(per_epoch, n, batch, 5, lengths, groups)
 
 
 def torchrun(*overrides, nproc=2):
