@@ -64,7 +64,7 @@ def test_roundtrip_values(tmp_path, dtype, torch_dtype):
     assert len(ds) == len(samples) and ds.manifest["totals"]["num_shards"] > 1
     for i, s in enumerate(samples):
         got = ds[i]
-        assert ds.sample_id(i) == s["id"]
+        assert ds.sample_id(i) == s["id"] and ds.length(i) == len(s["input_ids"])
         assert torch.equal(got["input_ids"], s["input_ids"]) and got["input_ids"].dtype == torch.long
         assert torch.equal(got["loss_mask"], s["loss_mask"])
         assert got["aux"].dtype == torch_dtype

@@ -135,8 +135,9 @@ def test_deepspeed_world_of_one_matches_the_plain_loop(tiny_run, tmp_path, dist)
 
 def test_online_training_sees_the_same_batches_as_offline(tiny_run, tmp_path):
     """train.mode=online runs the target in-process (nothing on disk); its losses equal the offline run's
-    up to the bf16 rounding of stored features."""
-    common = ["+experiment=tiny", "train.steps=3", "train.log_every=1", "train.save_every=100"]
+    up to the bf16 rounding of stored features. Batches grouped by length: both read the same lengths."""
+    common = ["+experiment=tiny", "train.steps=3", "train.log_every=1", "train.save_every=100",
+              "train.length_groups=2"]
     run_train(*common, f"run_dir={tmp_path}/online", "train.mode=online", f"data.features_dir={tmp_path}/none")
     run_train(*common, f"run_dir={tmp_path}/offline", f"data.features_dir={tiny_run}/features")
     assert not (tmp_path / "none").exists()
