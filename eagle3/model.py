@@ -147,8 +147,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rope_angles(positions: torch.Tensor, d: int, theta: float, dtype: torch.dtype):
-    """cos, sin [B, 1, T, d/2] of Llama's rotary angles (in at least fp32), computed once per call
-    for every head of q and k: per element of q they cost pow, cos and sin, 20x the rotation."""
+    """cos, sin [B, 1, T, d/2] of Llama's rotary angles (at least fp32), once per call for all heads
+    of q and k: per element of q and k, pow, cos and sin cost far more than the rotation."""
     dt = _at_least_fp32(dtype)
     inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, device=positions.device, dtype=dt) / d))
     angles = positions.to(dt)[:, None, :, None] * inv_freq

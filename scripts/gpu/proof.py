@@ -9,6 +9,7 @@ Jobs (each a plain command of this repository, logged to WORK/logs/NAME.log):
     peer_*       train.py +experiment=smollm2_peer with the peer's recipe and our changes to it
     scale_*      train.py on the regenerated answers of the first conversations holding 8k / 20k
                  prompts, and of all of them
+    long_*       several epochs over all of them at batch 64 / 128 (--answers: an earlier answer file)
     eval_*       evaluate.py (hf backend: our reference, counting tau as the engines do) per group
     zero_*       issue 8: ZeRO-2 / ZeRO-3 on 2 GPUs against 1 GPU, same global batch (tiny target)
     kimi_zero3_* issue 8: the Kimi-size drafter under ZeRO-3, 1 GPU against 2 (conf/experiment/kimi_dims)
