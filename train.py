@@ -263,7 +263,10 @@ def main(cfg) -> None:
             tokens_seen += int(bt.attention_mask.sum())
         del parts
         if ds_plugin is None and c.optim.grad_clip > 0:
-            clip_grad_norm(optimizer, trainable, c.optim.grad_clip)
+            if acc.scaler is None:
+                clip_grad_norm(optimizer, trainable, c.optim.grad_clip)
+            else:   # fp16: the loss scaler unscales (and sets a fused AdamW's grad_scale) itself
+                acc.clip_grad_norm_(trainable, c.optim.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 

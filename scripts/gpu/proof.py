@@ -160,7 +160,7 @@ def main() -> None:
     ap.add_argument("--only", default="", help="comma-separated job names (and nothing else)")
     ap.add_argument("--regen-minutes", type=float, default=0.0, help="regen_all: time limit (0 = none)")
     ap.add_argument("--regen-chunk", type=int, default=4096, help="regen_all: conversations answered together")
-    ap.add_argument("--answers", type=Path, help="scale_* train on this answer file instead of regen_all's")
+    ap.add_argument("--answers", type=Path, help="scale_* and long_* train on this answer file instead of regen_all's")
     args = ap.parse_args()
     import torch
 
