@@ -9,7 +9,7 @@ Jobs (each a plain command of this repository, logged to WORK/logs/NAME.log):
     peer_*       train.py +experiment=smollm2_peer with the peer's recipe and our changes to it
     scale_*      train.py on the regenerated answers of the first conversations holding 8k / 20k
                  prompts, and of all of them
-    long_*       several epochs over all of them at batch 64 / 128 (--answers: an earlier answer file)
+    long_*       several epochs over all of them at batch 32 / 64 / 128 (--answers: an earlier answer file)
     eval_*       evaluate.py (hf backend: our reference, counting tau as the engines do) per group
     zero_*       issue 8: ZeRO-2 / ZeRO-3 on 2 GPUs against 1 GPU, same global batch (tiny target)
     kimi_zero3_* issue 8: the Kimi-size drafter under ZeRO-3, 1 GPU against 2 (conf/experiment/kimi_dims)
@@ -101,7 +101,12 @@ def build_jobs(work: Path, dry: bool, gpus: int, regen_minutes: float = 0.0, reg
                 # epochs (they cost about as much per token as batch 16: docs/results.md)
                 "long_b64": ["train.batch_size=64", "optim.lr=2e-3", "train.epochs=3"],
                 "long_b128": ["train.batch_size=128", "optim.lr=3e-3", "train.epochs=3"],
-                "long_b64_e5": ["train.batch_size=64", "optim.lr=2e-3", "train.epochs=5"]}   # the committed drafter
+                "long_b64_e5": ["train.batch_size=64", "optim.lr=2e-3", "train.epochs=5"],   # the committed drafter
+                # ten epochs with length-grouped batches (random batches of 64 are 53% padding)
+                "long_b32_e10_g32": ["train.batch_size=32", "optim.lr=1.5e-3", "train.epochs=10",
+                                     "train.length_groups=32"],
+                "long_b64_e10_g32": ["train.batch_size=64", "optim.lr=2e-3", "train.epochs=10",
+                                     "train.length_groups=32"]}
     # Regeneration beside six trainings managed only 4,096 conversations per GPU in 447 s: regen_peer
     # runs alone; regen_all shares its GPUs with at most per_gpu - 1 other jobs, and with
     # --regen-minutes it stops starting chunks in time (the scale runs then train on what it answered)
