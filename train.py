@@ -187,7 +187,7 @@ def main(cfg) -> None:
         # forward: ZeRO-3 must gather them for the Objective's forward instead (they would be empty).
         from deepspeed.runtime.zero.partition_parameters import register_external_parameter
         attn = drafter.midlayer.self_attn
-        for p in (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight):
+        for p in (attn.qkv_embed, attn.qkv_hidden):
             register_external_parameter(model, p)
     trainable = [p for p in drafter.parameters() if p.requires_grad]
     # fused on a GPU; DeepSpeed steps its own flat partitions (and clips by itself)
@@ -304,7 +304,7 @@ def main(cfg) -> None:
     checkpoint.save(acc, run_dir, total, vocab_path)
     full = acc.get_state_dict(model)   # ZeRO-3: gathered by every rank, returned on the main one only
     if is_main:
-        state = {k.removeprefix("drafter."): v for k, v in full.items()}
+        state = drafter.to_engine_names({k.removeprefix("drafter."): v for k, v in full.items()})
         exports = export_drafter(run_dir / "export", state, shape, vocab.d2t, vocab.t2d, aux_layers,
                                  info.model_type, info.name, info.fingerprint)
         curves = plot_runs([run_dir], run_dir / "curves.png")

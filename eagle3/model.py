@@ -15,11 +15,12 @@ the pre-norm sum h2 unless the config sets `norm_output` (we never do). Its fc i
 hidden's width differs from the embedding's, i.e. only to the k*Ht aux concat: so H must differ
 from k*Ht (true for every real target).
 
-Parameter names are the export names (DESIGN.md "Drafter export"); `embed_tokens` is the frozen
-target embedding, shared inside the engines and never exported.
+state_dict() names are the export names (DESIGN.md "Drafter export"; q/k/v are stored fused,
+see `Attention`); `embed_tokens` is the frozen target embedding, shared inside the engines and
+never exported.
 
-One attention function, `attend`, serves training-time test (causal over the step-0 keys plus
-each row's own later-step keys, see eagle3/loss.py) and inference with a KV cache.
+One attention function, `eagle3.attention.attend`, serves training-time test (causal over the
+step-0 keys plus each row's own later-step keys, see eagle3/loss.py) and inference with a KV cache.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eagle3.attention import at_least_fp32, attend
 from eagle3.fused import fused
 
 
@@ -94,10 +96,6 @@ class DrafterShape:
         return self.num_aux * self.target_hidden_size * h + layer + h + h * self.draft_vocab_size
 
 
-def _at_least_fp32(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)
-
-
 # Attention that is not a Llama layer (DeepSeek's MLA): its head_dim says nothing about a Llama drafter's.
 _MLA_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2")
 
@@ -140,176 +138,26 @@ class RMSNorm(nn.Module):
 @fused
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Statistics in (at least) fp32 whatever the compute dtype, as SGLang's and HF's RMSNorm.
-    xf = x.to(_at_least_fp32(x.dtype))
+    xf = x.to(at_least_fp32(x.dtype))
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     # the product rounded back to x's dtype: what its consumer (a bf16 matmul) reads anyway
     return (weight * xf.to(x.dtype)).to(x.dtype)
 
 
 def rope_angles(positions: torch.Tensor, d: int, theta: float, dtype: torch.dtype):
-    """cos, sin [B, 1, T, d/2] of Llama's rotary angles (at least fp32), once per call for all heads
+    """cos, sin [B, T, 1, d/2] of Llama's rotary angles (at least fp32), once per call for all heads
     of q and k: per element of q and k, pow, cos and sin cost far more than the rotation."""
-    dt = _at_least_fp32(dtype)
+    dt = at_least_fp32(dtype)
     inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, device=positions.device, dtype=dt) / d))
-    angles = positions.to(dt)[:, None, :, None] * inv_freq
+    angles = positions.to(dt)[:, :, None, None] * inv_freq
     return angles.cos(), angles.sin()
 
 
 @fused
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Llama (NeoX-style, rotate-half) rotary embedding. x [B, n, T, d]; cos, sin from rope_angles."""
+    """Llama (NeoX-style, rotate-half) rotary embedding. x [B, T, n, d]; cos, sin from rope_angles."""
     x1, x2 = x.to(cos.dtype).chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
-
-
-# ---- attention -------------------------------------------------------------------------------
-# One function, `attend`, for training-time test and cached inference. A query row sees a causal
-# block of keys and, in TTT, S more keys of its own (its keys of the later draft steps). The causal
-# block runs as flash attention (no [T, T] scores in memory; the CPU has its own flash kernel); the
-# S own keys are S dot products per row, merged with the block by log-sum-exp. This replaces one
-# SDPA over [K_0 | K_1 .. K_s] with a dense [T, (s+1)T] mask, which scored s*T*T keys to use s*T.
-#
-# Backward without a gradient through the block's log-sum-exp: for merged probabilities
-# P = w * P_block (w = exp(lse_block - lse)), the flash backward given grad_out' = w * dOut and the
-# MERGED output computes dS = P_block * (w dOut.v - w dOut.out) = P * (dOut.v - D), exactly the
-# merged softmax's gradient (D = dOut.out), and dV = P_block^T (w dOut) = P^T dOut.
-
-def _flash_backend(q: torch.Tensor) -> str:
-    if q.device.type == "cpu":
-        return "cpu"
-    if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16):
-        return "cuda"
-    return "math"                              # e.g. fp32 on a GPU: flash kernels need 16-bit
-
-
-def _block_forward(q, k, v, causal: bool, scale: float):
-    """softmax(q k^T * scale) v over one block of keys (causal: query i sees keys j <= i; the
-    block is square then). q [B, n, Tq, d]; k, v [B, n, Tk, d] -> (out [B, n, Tq, d],
-    lse [B, n, Tq] fp32+, state for _block_backward)."""
-    backend = _flash_backend(q)
-    if backend == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, causal, scale=scale)
-        return out, lse, None
-    if backend == "cuda":
-        out, lse, cq, ck, mq, mk, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
-            q, k, v, 0.0, causal, False, scale=scale)
-        return out, lse, (cq, ck, mq, mk, seed, offset)
-    scores = _masked_scores(q, k, causal, scale)
-    lse = scores.logsumexp(-1)
-    return (scores - lse[..., None]).exp().to(v.dtype) @ v, lse, None
-
-
-def _block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, state):
-    """(dq, dk, dv) of one block given `out` and `lse` (see the note above on what they are)."""
-    backend = _flash_backend(q)
-    if backend == "cpu":
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, causal, scale=scale)
-    if backend == "cuda":
-        cq, ck, mq, mk, seed, offset = state
-        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            dout, q, k, v, out, lse, cq, ck, mq, mk, 0.0, causal, seed, offset, scale=scale)
-    p = (_masked_scores(q, k, causal, scale) - lse[..., None]).exp()          # [B, n, Tq, Tk]
-    dsum = (dout * out).sum(-1, keepdim=True)
-    ds = p * (dout @ v.transpose(-1, -2) - dsum)
-    return ds @ k * scale, ds.transpose(-1, -2) @ q * scale, p.transpose(-1, -2) @ dout
-
-
-def _masked_scores(q, k, causal, scale):
-    s = (q @ k.transpose(-1, -2)).to(_at_least_fp32(q.dtype)) * scale
-    if causal:
-        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1),
-                          float("-inf"))
-    return s
-
-
-class _Attention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, *extra):
-        """q [B, n, Tq, d]; k, v [B, n, Tk, d], Tk >= Tq; extra: S keys then S values
-        [B, n, Tq, d] each. Query i sees keys j <= Tk - Tq + i and its own row of every extra key."""
-        S, (Tq, d), Tk = len(extra) // 2, q.shape[2:], k.shape[2]
-        scale, L = d ** -0.5, Tk - Tq
-        blocks = [(0, L, False)] if L else []            # cached rows: all visible
-        blocks.append((L, Tk, True))                     # this call's rows: causal
-        outs, lses, states = [], [], []
-        for a, b, causal in blocks:
-            o, lse, st = _block_forward(q, k[:, :, a:b], v[:, :, a:b], causal, scale)
-            outs, lses, states = outs + [o], lses + [lse], states + [st]
-        out, lse = _merge(q, lses, outs, list(extra[:S]), list(extra[S:]), scale)
-        ctx.save_for_backward(q, k, v, out, lse, *lses, *extra)
-        ctx.blocks, ctx.states, ctx.S, ctx.scale = blocks, states, S, scale
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse, *rest = ctx.saved_tensors
-        nb, S, scale = len(ctx.blocks), ctx.S, ctx.scale
-        lses, ek, ev = rest[:nb], rest[nb:nb + S], rest[nb + S:]
-        dout = dout.contiguous()
-        dqs, dk, dv = [], [], []
-        for (a, b, causal), l, st, g in zip(ctx.blocks, lses, ctx.states,
-                                            _merge_grads(dout, lse, list(lses))):
-            dqb, dkb, dvb = _block_backward(g, q, k[:, :, a:b], v[:, :, a:b], out, l, causal,
-                                            scale, st)
-            dqs, dk, dv = dqs + [dqb], dk + [dkb], dv + [dvb]
-        dq, dek, dev = _merge_backward(dout, out, q, lse, dqs, list(ek), list(ev), scale)
-        return (dq, torch.cat(dk, 2) if nb > 1 else dk[0],
-                torch.cat(dv, 2) if nb > 1 else dv[0], *dek, *dev)
-
-
-# The merge's elementwise work, fused on a GPU (eagle3/fused.py): all in (at least) fp32 over
-# [B, n, Tq, d], one kernel instead of an fp32 copy per operand and per op.
-@fused
-def _merge(q, lses, outs, eks, evs, scale: float):
-    """Blocks' (lse [B, n, Tq], out [B, n, Tq, d]) and the own keys/values eks, evs [B, n, Tq, d]
-    -> (out [B, n, Tq, d] in q's dtype, lse [B, n, Tq] fp32+) of the softmax over all of them."""
-    f = _at_least_fp32(q.dtype)
-    qf = q.to(f)
-    own = [(qf * ek.to(f)).sum(-1) * scale for ek in eks]                  # S x [B, n, Tq]
-    lse = torch.stack(lses + own, -1).logsumexp(-1)                        # [B, n, Tq]
-    out = sum((l - lse).exp()[..., None] * o.to(f) for l, o in zip(lses, outs))
-    out = out + sum((s - lse).exp()[..., None] * ev.to(f) for s, ev in zip(own, evs))
-    return out.to(q.dtype), lse
-
-
-@fused
-def _merge_grads(dout, lse, lses):
-    """w * dOut per block (w = exp(lse_block - lse)), in dout's dtype: its flash backward's input."""
-    f = lse.dtype
-    return [((l - lse).exp()[..., None] * dout.to(f)).to(dout.dtype) for l in lses]
-
-
-@fused
-def _merge_backward(dout, out, q, lse, dqs, eks, evs, scale: float):
-    """dqs: the blocks' dq -> (dq, dks, dvs of the own keys/values), dq summed in fp32+."""
-    f = lse.dtype
-    qf, df = q.to(f), dout.to(f)
-    dsum = (df * out.to(f)).sum(-1)                                        # D [B, n, Tq]
-    dq = sum(d.to(f) for d in dqs)
-    dek, dev = [], []
-    for kr, vr in zip(eks, evs):
-        p = ((qf * kr.to(f)).sum(-1) * scale - lse).exp()                    # [B, n, Tq]
-        ds = p * ((df * vr.to(f)).sum(-1) - dsum)
-        dq = dq + scale * ds[..., None] * kr.to(f)
-        dek.append((scale * ds[..., None] * qf).to(kr.dtype))
-        dev.append((p[..., None] * df).to(vr.dtype))
-    return dq.to(q.dtype), dek, dev
-
-
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extra_k=(), extra_v=()) -> torch.Tensor:
-    """THE attention of this project. q [B, nh, Tq, d]; k, v [B, nkv, Tk, d] (already rotated),
-    Tk >= Tq: causal aligned at the end, query i sees keys j <= Tk - Tq + i (with a KV cache the
-    first Tk - Tq keys are the cached rows, seen by every new row). extra_k, extra_v: lists of
-    [B, nkv, Tq, d], more keys that only their own row sees (TTT: the row's keys of draft steps
-    1..s). Returns [B, nh, Tq, d]. Scale 1/sqrt(d), as SGLang's LlamaAttention."""
-    g = q.shape[1] // k.shape[1]
-    if g > 1:                                       # GQA: autograd sums the copies' gradients
-        k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-        extra_k = [x.repeat_interleave(g, 1) for x in extra_k]
-        extra_v = [x.repeat_interleave(g, 1) for x in extra_v]
-    return _Attention.apply(q, k, v, *extra_k, *extra_v)
 
 
 @dataclass
@@ -321,23 +169,68 @@ class QKVWeights:
     hidden: torch.Tensor
 
 
+_QKV = ("q_proj", "k_proj", "v_proj")
+
+
+def _engine_names_hook(module, state_dict, prefix, local_metadata) -> None:
+    module.to_engine_names(state_dict, prefix)
+
+
+def _stored_names_hook(module, state_dict, prefix, *unused) -> None:
+    module.from_engine_names(state_dict, prefix)
+
+
 class Attention(nn.Module):
+    """Llama attention over cat[input_layernorm(embed), hidden_norm(h)] ([2H] inputs).
+
+    q/k/v are STORED as the two input halves of their fused weight, `qkv_embed` and `qkv_hidden`
+    [nh*d + 2*nkv*d, H] (rows q, k, v), because that is how every unroll uses them: the embedding's
+    half once for all TTT steps, the hidden half at every step. Storing q_proj/k_proj/v_proj would
+    make each unroll concatenate the three and slice the halves out again, and backward fill and copy
+    full-width buffers per half (about 5.6 ms of a 177 ms Kimi-size step on an H200, docs/perf.md).
+    state_dict() and load_state_dict() still speak the engines' q_proj/k_proj/v_proj
+    [nh*d or nkv*d, 2H] (`to_engine_names`, `from_engine_names`), so exports, checkpoints and tests
+    see the layout SGLang and vLLM load."""
+
     def __init__(self, s: DrafterShape):
         super().__init__()
         self.nh, self.nkv, self.d, self.theta = (s.num_attention_heads, s.num_key_value_heads,
                                                  s.head_dim, s.rope_theta)
-        self.q_proj = nn.Linear(2 * s.hidden_size, self.nh * self.d, bias=False)
-        self.k_proj = nn.Linear(2 * s.hidden_size, self.nkv * self.d, bias=False)
-        self.v_proj = nn.Linear(2 * s.hidden_size, self.nkv * self.d, bias=False)
+        rows, H = (self.nh + 2 * self.nkv) * self.d, s.hidden_size
+        bound = (2 * H) ** -0.5                  # nn.Linear(2H, rows)'s default init, per half
+        self.qkv_embed = nn.Parameter(torch.empty(rows, H).uniform_(-bound, bound))
+        self.qkv_hidden = nn.Parameter(torch.empty(rows, H).uniform_(-bound, bound))
         self.o_proj = nn.Linear(self.nh * self.d, s.hidden_size, bias=False)
+        self.register_state_dict_post_hook(_engine_names_hook)
+        self.register_load_state_dict_pre_hook(_stored_names_hook)
+
+    def _split_rows(self):
+        return [self.nh * self.d, self.nkv * self.d, self.nkv * self.d]
+
+    def to_engine_names(self, sd: Dict[str, torch.Tensor], prefix: str = "") -> Dict[str, torch.Tensor]:
+        """In place: prefix+qkv_embed / qkv_hidden -> prefix+q_proj.weight, k_proj.weight, v_proj.weight
+        [rows, 2H] (embedding half first). Keys already in engine names are left alone."""
+        if prefix + "qkv_embed" not in sd:
+            return sd
+        e, h = sd.pop(prefix + "qkv_embed"), sd.pop(prefix + "qkv_hidden")
+        for name, pe, ph in zip(_QKV, e.split(self._split_rows()), h.split(self._split_rows())):
+            sd[f"{prefix}{name}.weight"] = torch.cat([pe, ph], dim=1)
+        return sd
+
+    def from_engine_names(self, sd: Dict[str, torch.Tensor], prefix: str = "") -> Dict[str, torch.Tensor]:
+        """In place, the inverse of to_engine_names (a load_state_dict pre-hook)."""
+        if prefix + "q_proj.weight" not in sd:
+            return sd
+        ws = [sd.pop(f"{prefix}{name}.weight") for name in _QKV]
+        H = ws[0].shape[1] // 2
+        sd[prefix + "qkv_embed"] = torch.cat([w[:, :H] for w in ws])
+        sd[prefix + "qkv_hidden"] = torch.cat([w[:, H:] for w in ws])
+        return sd
 
     def qkv_weights(self) -> QKVWeights:
-        w = self.q_proj.weight
-        dev = w.device.type
-        dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else w.dtype
-        fused = torch.cat([p.to(dt) for p in (w, self.k_proj.weight, self.v_proj.weight)])
-        H = fused.shape[1] // 2
-        return QKVWeights(embed=fused[:, :H], hidden=fused[:, H:])
+        dev = self.qkv_embed.device.type
+        dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else self.qkv_embed.dtype
+        return QKVWeights(embed=self.qkv_embed.to(dt), hidden=self.qkv_hidden.to(dt))
 
     def forward(self, qkv, positions, keys=None, extra=None):
         """qkv [B, T, nh*d + 2*nkv*d] (projected, not rotated) -> (out [B, T, H], k, v
@@ -346,12 +239,13 @@ class Attention(nn.Module):
         1..s-1 of the same rows, `keys` then being their step-0 keys; this call's own keys join
         the extras (see `attend`)."""
         B, T, _ = qkv.shape
-        q, k, v = qkv.split([self.nh * self.d, self.nkv * self.d, self.nkv * self.d], dim=-1)
-        q = q.view(B, T, self.nh, self.d).transpose(1, 2)
-        k = k.view(B, T, self.nkv, self.d).transpose(1, 2)
-        v = v.view(B, T, self.nkv, self.d).transpose(1, 2)
+        q, k, v = qkv.split(self._split_rows(), dim=-1)
+        # rotated in [B, T, n, d] and only then viewed as [B, n, T, d]: rope writes the memory
+        # layout flash attention reads, so no layout copy of q and k precedes it
         cos, sin = rope_angles(positions, self.d, self.theta, q.dtype)
-        q, k = rope(q, cos, sin), rope(k, cos, sin)
+        q = rope(q.view(B, T, self.nh, self.d), cos, sin).transpose(1, 2)
+        k = rope(k.view(B, T, self.nkv, self.d), cos, sin).transpose(1, 2)
+        v = v.view(B, T, self.nkv, self.d).transpose(1, 2)
         if extra is not None:
             out = attend(q, keys[0], keys[1], [*extra[0], k], [*extra[1], v])
         elif keys is not None:
@@ -491,6 +385,11 @@ class Eagle3Drafter(nn.Module):
         """Copy in the target's embed_tokens [V, H] (stays frozen)."""
         with torch.no_grad():
             self.embed_tokens.weight.copy_(weight)
+
+    def to_engine_names(self, state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """A dict keyed by parameter names (DeepSpeed ZeRO-3 gathers those, skipping state_dict's
+        hooks) with the engines' q_proj/k_proj/v_proj instead; engine names pass through."""
+        return self.midlayer.self_attn.to_engine_names(dict(state), "midlayer.self_attn.")
 
     def exportable_state_dict(self) -> Dict[str, torch.Tensor]:
         """Every trainable weight under its export name (no embed_tokens); d2t/t2d come from

@@ -53,7 +53,8 @@ def rope_vec(x, pos, theta):
 
 def naive_ttt(d, input_ids, loss_mask, attention_mask, aux, final, target_lm_head, vocab,
               steps, decay):
-    P = dict(d.named_parameters())
+    # q/k/v in the engines' layout, as differentiable functions of the stored fused halves
+    P = d.to_engine_names(dict(d.named_parameters()))
     m = "midlayer."
     nh, nkv, hd = SHAPE.num_attention_heads, SHAPE.num_key_value_heads, SHAPE.head_dim
     B, T = input_ids.shape
@@ -293,7 +294,7 @@ def test_attend_equals_dense_ttt_mask_attention(monkeypatch, backend):
     """attend (flash causal over K_0 + each row's own keys, merged by log-sum-exp; its own backward)
     == softmax attention over [K_0 | K_1 .. K_s] with the dense ttt_mask, values and gradients,
     for the real rows of right-padded sequences; both the CPU flash kernel and the math backend."""
-    import eagle3.model as model
+    import eagle3.attention as model
     monkeypatch.setattr(model, "_flash_backend", lambda q: backend)
     torch.manual_seed(4)
     B, nh, nkv, T, d, s = 2, 4, 2, 7, 8, 3

@@ -92,16 +92,40 @@ EXPORT_NAMES = {
 }
 
 
-def test_parameter_names_are_the_export_names():
+# q/k/v are stored as the embedding and hidden halves of their fused weight (eagle3.model.Attention)
+STORED_QKV = {"midlayer.self_attn.qkv_embed": (128, 32), "midlayer.self_attn.qkv_hidden": (128, 32)}
+
+
+def test_state_dict_names_are_the_export_names():
     d = Eagle3Drafter(SHAPE)
+    stored = {n: s for n, s in EXPORT_NAMES.items() if ".self_attn." not in n or "o_proj" in n}
     params = {n: tuple(p.shape) for n, p in d.named_parameters()}
-    assert params == {**EXPORT_NAMES, "embed_tokens.weight": (50, 32)}
+    assert params == {**stored, **STORED_QKV, "embed_tokens.weight": (50, 32)}
     assert not d.embed_tokens.weight.requires_grad
-    trainable = {n for n, p in d.named_parameters() if p.requires_grad}
-    assert trainable == set(EXPORT_NAMES)
+    assert {n for n, p in d.named_parameters() if p.requires_grad} == set(stored) | set(STORED_QKV)
+    assert {n: tuple(t.shape) for n, t in d.state_dict().items()} == {**EXPORT_NAMES, "embed_tokens.weight": (50, 32)}
     exported = d.exportable_state_dict()
     assert {n: tuple(t.shape) for n, t in exported.items()} == EXPORT_NAMES
     assert SHAPE.num_trainable() == sum(p.numel() for p in d.parameters() if p.requires_grad)
+
+
+def test_stored_qkv_halves_map_to_engine_weights_and_back():
+    d = make_drafter()
+    a = d.midlayer.self_attn
+    sd = d.state_dict()
+    H, sizes = SHAPE.hidden_size, [64, 32, 32]                  # q, k, v rows
+    for name, e, h in zip(("q", "k", "v"), a.qkv_embed.detach().split(sizes), a.qkv_hidden.detach().split(sizes)):
+        w = sd[f"midlayer.self_attn.{name}_proj.weight"]
+        assert torch.equal(w[:, :H], e) and torch.equal(w[:, H:], h)    # embedding half first
+    fresh = Eagle3Drafter(SHAPE)
+    fresh.load_state_dict(sd)
+    assert torch.equal(fresh.midlayer.self_attn.qkv_embed, a.qkv_embed)
+    assert torch.equal(fresh.midlayer.self_attn.qkv_hidden, a.qkv_hidden)
+    # parameter-named dicts (ZeRO-3's gathered state) convert to the same engine names
+    raw = {n: p.detach() for n, p in d.named_parameters()}
+    engine = d.to_engine_names(raw)
+    assert engine.keys() == sd.keys() and all(torch.equal(engine[k], sd[k]) for k in sd)
+    assert d.to_engine_names(sd).keys() == sd.keys()
 
 
 def test_forward_matches_sglang_math_with_padding():
@@ -196,7 +220,7 @@ def test_target_embedding_is_copied_and_frozen():
 def test_attend_with_a_cache_equals_masked_attention(monkeypatch, backend):
     """Tq new rows after L cached ones (inference): every cached key plus the new rows causally;
     values and gradients against SDPA with the explicit mask."""
-    import eagle3.model as model
+    import eagle3.attention as model
     monkeypatch.setattr(model, "_flash_backend", lambda q: backend)
     torch.manual_seed(6)
     B, nh, nkv, L, Tq, d = 2, 4, 1, 5, 3, 8
