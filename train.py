@@ -183,12 +183,13 @@ def main(cfg) -> None:
     vocab = vocab.to(device)
     model = Objective(drafter, vocab, c.train.ttt_steps, c.train.step_decay)
     if ds_plugin is not None and c.dist.zero_stage == 3:
-        # The loss fuses q/k/v once per unroll, reading those weights outside their own module's
-        # forward: ZeRO-3 must gather them for the Objective's forward instead (they would be empty).
+        # The loss casts the weights once per unroll (Eagle3Drafter.weights) and uses them outside
+        # their own modules' forward: ZeRO-3 must gather them for the Objective's forward instead
+        # (they would be empty). fc is called as a module and gathered by its own hook.
         from deepspeed.runtime.zero.partition_parameters import register_external_parameter
-        attn = drafter.midlayer.self_attn
-        for p in (attn.qkv_embed, attn.qkv_hidden):
-            register_external_parameter(model, p)
+        for name, p in drafter.named_parameters():
+            if p.requires_grad and not name.startswith("fc."):
+                register_external_parameter(model, p)
     trainable = [p for p in drafter.parameters() if p.requires_grad]
     # fused on a GPU; DeepSpeed steps its own flat partitions (and clips by itself)
     optimizer = adamw(trainable, c.optim.lr, c.optim.betas, c.optim.weight_decay,

@@ -51,8 +51,9 @@ cross-entropy keeps only those rows' logits (in the compute dtype) and their log
 backward; the teacher rows are gathered again from p rather than kept per step.
 
 Work shared across steps: the token embedding's part of q/k/v (step s at row t reads the token of
-row t+s+1) is projected once for all steps (eagle3.model.DecoderLayer.embed_qkv), and the fused
-q/k/v weights are cast once per unroll.
+row t+s+1) is projected once for all steps (eagle3.model.DecoderLayer.embed_qkv); the weights are
+cast once per unroll, and the gradient of each weight that every step uses is summed inside its
+GEMMs (eagle3/reused.py).
 """
 from __future__ import annotations
 
@@ -169,7 +170,7 @@ def ttt_loss(drafter: Eagle3Drafter, input_ids: torch.Tensor, loss_mask: torch.T
     # step s at row t reads token x_{t+1+s} (0 past the end, never counted): rows s..s+T-1 of
     # ext; the embedding's part of q/k/v is projected once for all steps.
     ext = torch.cat([input_ids[:, 1:], input_ids.new_zeros(B, ttt_steps)], dim=1)  # [B, T-1+S]
-    w = drafter.qkv_weights()
+    w = drafter.weights()
     e_qkv = drafter.embed_qkv(ext, w)
     p_rows = p.reshape(B * T, -1)
     top_rows = top.reshape(B * T)
@@ -198,7 +199,7 @@ def ttt_loss(drafter: Eagle3Drafter, input_ids: torch.Tensor, loss_mask: torch.T
         counted = counted_rows(loss_mask, real, top, t2d, s)              # [B, n]
         b, t = counted.nonzero(as_tuple=True)
         rows = b * T + t                                                   # [N] into B*T rows
-        logits = drafter.logits(h.reshape(B * T, -1)[rows])               # [N, Vd]
+        logits = drafter.logits(h.reshape(B * T, -1)[rows], w)            # [N, Vd]
         ce = _SoftCrossEntropy.apply(logits, p_rows, rows + 1 + s)        # [N]; teacher row t+1+s
         num = counted.sum()
         loss_s = ce.sum() / num.clamp(min=1)

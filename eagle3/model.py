@@ -33,6 +33,7 @@ from torch import nn
 
 from eagle3.attention import at_least_fp32, attend
 from eagle3.fused import fused
+from eagle3.reused import Reused, linear, reuse
 
 
 @dataclass
@@ -161,12 +162,20 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
-class QKVWeights:
-    """The q/k/v projections fused ([nh*d + 2*nkv*d] output rows) and split by input columns: `embed`
-    reads input_layernorm(embed(x)), `hidden` reads hidden_norm(h), each [N, H]. Cast once per
-    unroll: TTT reuses them for every draft step, and the embedding's part once for all steps."""
+class UnrollWeights:
+    """The drafter's weights in the compute dtype (autocast's when on), cast once per unroll.
+
+    q/k/v are fused ([nh*d + 2*nkv*d] output rows) and split by input columns: `embed` [N, H] reads
+    input_layernorm(embed(x)) and is used once for all TTT steps (a plain tensor); `hidden` reads
+    hidden_norm(h). It and the others serve every TTT step, so their gradients are summed inside
+    the GEMMs (eagle3/reused.py)."""
     embed: torch.Tensor
-    hidden: torch.Tensor
+    hidden: Reused
+    o: Reused
+    gate: Reused
+    up: Reused
+    down: Reused
+    lm_head: Reused
 
 
 _QKV = ("q_proj", "k_proj", "v_proj")
@@ -227,12 +236,7 @@ class Attention(nn.Module):
         sd[prefix + "qkv_hidden"] = torch.cat([w[:, H:] for w in ws])
         return sd
 
-    def qkv_weights(self) -> QKVWeights:
-        dev = self.qkv_embed.device.type
-        dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else self.qkv_embed.dtype
-        return QKVWeights(embed=self.qkv_embed.to(dt), hidden=self.qkv_hidden.to(dt))
-
-    def forward(self, qkv, positions, keys=None, extra=None):
+    def forward(self, qkv, positions, o: Reused, keys=None, extra=None):
         """qkv [B, T, nh*d + 2*nkv*d] (projected, not rotated) -> (out [B, T, H], k, v
         [B, nkv, T, d]: this call's rotated keys and values). keys: (k, v) [B, nkv, P, d] seen
         before this call's rows (a KV cache); extra: TTT step s >= 1: (keys, values) of steps
@@ -252,7 +256,7 @@ class Attention(nn.Module):
             out = attend(q, torch.cat([keys[0], k], dim=2), torch.cat([keys[1], v], dim=2))
         else:
             out = attend(q, k, v)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.d)), k, v
+        return linear(out.transpose(1, 2).reshape(B, T, self.nh * self.d), o), k, v
 
 
 class MLP(nn.Module):
@@ -264,8 +268,8 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(s.hidden_size, s.intermediate_size, bias=False)
         self.down_proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=False)
 
-    def forward(self, x):
-        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+    def forward(self, x, w: UnrollWeights):
+        return linear(silu_mul(linear(x, w.gate), linear(x, w.up)), w.down)
 
 
 @fused
@@ -282,17 +286,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.mlp = MLP(s)
 
-    def embed_qkv(self, embeds, w: QKVWeights):
+    def embed_qkv(self, embeds, w: UnrollWeights):
         """[B, T, H] token embeddings -> [B, T, N]: their part of q/k/v. q/k/v read
         cat[input_layernorm(embed), hidden_norm(h)], so W @ a = W_embed @ e + W_hidden @ h; TTT
         step s at row t reads the embedding of row t+s+1, so one projection serves all steps."""
         return F.linear(self.input_layernorm(embeds), w.embed)
 
-    def forward(self, e_qkv, h, positions, w: QKVWeights, keys=None, extra=None):
-        qkv = e_qkv + F.linear(self.hidden_norm(h), w.hidden)
-        attn, k, v = self.self_attn(qkv, positions, keys, extra)
+    def forward(self, e_qkv, h, positions, w: UnrollWeights, keys=None, extra=None):
+        qkv = e_qkv + linear(self.hidden_norm(h), w.hidden)
+        attn, k, v = self.self_attn(qkv, positions, w.o, keys, extra)
         h = h + attn                                  # residual is the un-normed input hidden
-        h = h + self.mlp(self.post_attention_layernorm(h))
+        h = h + self.mlp(self.post_attention_layernorm(h), w)
         return h, k, v
 
 
@@ -339,23 +343,30 @@ class Eagle3Drafter(nn.Module):
         """aux [B, T, k*Ht] (the target's aux states, concatenated; stored in bf16) -> h [B, T, H]."""
         return self.fc(aux.to(self.fc.weight.dtype))
 
-    def qkv_weights(self) -> QKVWeights:
-        """The q/k/v weights in the compute dtype (autocast's when on), for embed_qkv and layer."""
-        return self.midlayer.self_attn.qkv_weights()
+    def weights(self) -> UnrollWeights:
+        """The weights in the compute dtype (autocast's when on) for one unroll: embed_qkv, layer
+        and logits read them (training-time test: S layer steps; inference: one call)."""
+        attn, mlp = self.midlayer.self_attn, self.midlayer.mlp
+        dev = attn.qkv_embed.device.type
+        dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else attn.qkv_embed.dtype
+        return UnrollWeights(embed=attn.qkv_embed.to(dt), hidden=reuse(attn.qkv_hidden, dt),
+                             o=reuse(attn.o_proj.weight, dt), gate=reuse(mlp.gate_proj.weight, dt),
+                             up=reuse(mlp.up_proj.weight, dt), down=reuse(mlp.down_proj.weight, dt),
+                             lm_head=reuse(self.lm_head.weight, dt))
 
-    def embed_qkv(self, input_ids: torch.Tensor, w: QKVWeights) -> torch.Tensor:
+    def embed_qkv(self, input_ids: torch.Tensor, w: UnrollWeights) -> torch.Tensor:
         """input_ids [B, T] -> [B, T, N]: the tokens' part of q/k/v (see DecoderLayer.embed_qkv)."""
         return self.midlayer.embed_qkv(self.embed_tokens(input_ids), w)
 
-    def layer(self, e_qkv, h, positions, w: QKVWeights, keys=None, extra=None):
+    def layer(self, e_qkv, h, positions, w: UnrollWeights, keys=None, extra=None):
         """One drafter step over rows: e_qkv [B, T, N] (embed_qkv of the rows' tokens), h [B, T, H],
         positions [B, T]; keys, extra as Attention.forward. Returns (h_out [B, T, H] pre-norm,
         k, v [B, nkv, T, d] of this call)."""
         return self.midlayer(e_qkv, h, positions, w, keys, extra)
 
-    def logits(self, h_out: torch.Tensor) -> torch.Tensor:
+    def logits(self, h_out: torch.Tensor, w: UnrollWeights) -> torch.Tensor:
         """[.., H] pre-norm hidden -> [.., Vd] draft-vocab logits."""
-        return self.lm_head(self.norm(h_out))
+        return linear(self.norm(h_out), w.lm_head)
 
     # -- whole-sequence and cached inference ----------------------------------------------------
     def forward(self, aux, input_ids, attention_mask=None):
@@ -365,20 +376,20 @@ class Eagle3Drafter(nn.Module):
         so real rows never see padding. Returns (logits [B, T, Vd], h_out [B, T, H])."""
         B, T = input_ids.shape
         positions = torch.arange(T, device=input_ids.device).expand(B, T)
-        w = self.qkv_weights()
+        w = self.weights()
         h_out, _, _ = self.layer(self.embed_qkv(input_ids, w), self.project(aux), positions, w)
-        return self.logits(h_out), h_out
+        return self.logits(h_out, w), h_out
 
     def forward_step(self, input_ids, h, positions, cache: DraftKVCache):
         """Cached inference: new rows input_ids [B, Tq] with hidden h [B, Tq, H] (fc(aux) for
         target rows, a previous h_out for draft rows) at positions [B, Tq]. The new rows see every
         cached row and, causally, each other; their keys/values are appended to `cache`.
         Returns (logits [B, Tq, Vd], h_out [B, Tq, H])."""
-        w = self.qkv_weights()
+        w = self.weights()
         keys = None if cache.k is None else (cache.k, cache.v)
         h_out, k, v = self.layer(self.embed_qkv(input_ids, w), h, positions, w, keys)
         cache.append(k, v)
-        return self.logits(h_out), h_out
+        return self.logits(h_out, w), h_out
 
     # -- export -----------------------------------------------------------------------------------
     def set_target_embedding(self, weight: torch.Tensor) -> None:

@@ -137,3 +137,27 @@ def test_ttt_loss_compiled_matches_eager(compiled):
     assert ge.keys() == gc.keys() and len(ge) == 12          # q/k/v stored as two fused halves
     for name in ge:
         torch.testing.assert_close(gc[name], ge[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_reused_weight_sums_its_uses_gradients_like_autograd():
+    """eagle3.reused: a weight used three times (one use's output never reaching the loss, so
+    autograd never runs its backward), under a cast to another dtype: values and the gradients of
+    the weight and of every input equal plain F.linear's."""
+    from eagle3.reused import linear, reuse
+    torch.manual_seed(0)
+    w = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
+    xs = [torch.randn(3, 5, 4, requires_grad=True) for _ in range(3)]
+    g = torch.randn(3, 5, 6)
+
+    def run(lin, weight):
+        ys = [lin(x, weight) for x in xs]
+        loss = (ys[0] * g).sum() + (ys[1].float() ** 2).sum()        # ys[2] is not used
+        return ys, torch.autograd.grad(loss, [w, xs[0], xs[1]])
+
+    ys_got, grads_got = run(linear, reuse(w, torch.float32))
+    ys_want, grads_want = run(torch.nn.functional.linear, w.float())
+    for a, b in zip(ys_got, ys_want):
+        torch.testing.assert_close(a, b)
+    assert grads_got[0].dtype == torch.float64
+    for a, b in zip(grads_got, grads_want):
+        torch.testing.assert_close(a, b.to(a.dtype), rtol=1e-5, atol=1e-5)
