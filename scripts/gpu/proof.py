@@ -101,12 +101,12 @@ def build_jobs(work: Path, dry: bool, gpus: int, regen_minutes: float = 0.0, reg
                 # epochs (they cost about as much per token as batch 16: docs/results.md)
                 "long_b64": ["train.batch_size=64", "optim.lr=2e-3", "train.epochs=3"],
                 "long_b128": ["train.batch_size=128", "optim.lr=3e-3", "train.epochs=3"],
-                "long_b64_e5": ["train.batch_size=64", "optim.lr=2e-3", "train.epochs=5"],   # the committed drafter
+                "long_b64_e5": ["train.batch_size=64", "optim.lr=2e-3", "train.epochs=5"],
                 # ten epochs with length-grouped batches (random batches of 64 are 53% padding)
                 "long_b32_e10_g32": ["train.batch_size=32", "optim.lr=1.5e-3", "train.epochs=10",
                                      "train.length_groups=32"],
                 "long_b64_e10_g32": ["train.batch_size=64", "optim.lr=2e-3", "train.epochs=10",
-                                     "train.length_groups=32"]}
+                                     "train.length_groups=32"]}   # the committed drafter
     # Regeneration beside six trainings managed only 4,096 conversations per GPU in 447 s: regen_peer
     # runs alone; regen_all shares its GPUs with at most per_gpu - 1 other jobs, and with
     # --regen-minutes it stops starting chunks in time (the scale runs then train on what it answered)
