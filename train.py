@@ -185,7 +185,8 @@ def main(cfg) -> None:
     if ds_plugin is not None and c.dist.zero_stage == 3:
         # The loss casts the weights once per unroll (Eagle3Drafter.weights) and uses them outside
         # their own modules' forward: ZeRO-3 must gather them for the Objective's forward instead
-        # (they would be empty). fc is called as a module and gathered by its own hook.
+        # (they would be empty). The norms need it not, and it costs them nothing; fc is called as
+        # a module and gathered by its own hook.
         from deepspeed.runtime.zero.partition_parameters import register_external_parameter
         for name, p in drafter.named_parameters():
             if p.requires_grad and not name.startswith("fc."):
