@@ -105,7 +105,10 @@ def main(cfg) -> None:
     fused.set_enabled(c.train.compile)
     torch.manual_seed(c.train.seed)
 
-    if is_main and not c.resume:
+    if c.export_only and checkpoint.latest(run_dir) is None:
+        sys.exit(f"error: export_only=true exports the latest checkpoint of run_dir, but {run_dir / 'checkpoints'} "
+                 f"holds none; pass the run_dir of the run that wrote them")
+    if is_main and not (c.resume or c.export_only):
         set_aside_previous_run(run_dir)
     acc.wait_for_everyone()
 
@@ -159,7 +162,7 @@ def main(cfg) -> None:
 
     # ---- draft vocabulary: computed once per dataset, saved in run_dir, reused on resume ----
     vocab_path = run_dir / "vocab.safetensors"
-    if c.resume and vocab_path.exists():
+    if (c.resume or c.export_only) and vocab_path.exists():
         vocab = DraftVocab.load(vocab_path)
     else:
         pairs = [tokens_of(i) for i in train_idx]
@@ -207,9 +210,11 @@ def main(cfg) -> None:
     total = c.train.steps or max(1, int(c.train.epochs * (len(train_idx) // c.train.batch_size)))
 
     start = 0
-    if c.resume:
+    if c.resume or c.export_only:
         start = checkpoint.load_latest(acc, run_dir)
-    if is_main:
+    if c.export_only:           # the checkpoint as it is: no step, and the run's metrics and config stay
+        total = start
+    elif is_main:
         checkpoint.trim_metrics(run_dir / "metrics.jsonl", start)
         OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
     log = Logger(run_dir, is_main, c.train.wandb, cfg)
@@ -303,7 +308,8 @@ def main(cfg) -> None:
             checkpoint.save(acc, run_dir, step + 1, vocab_path)
 
     # ---- save, export, curves ----
-    checkpoint.save(acc, run_dir, total, vocab_path)
+    if not c.export_only:
+        checkpoint.save(acc, run_dir, total, vocab_path)
     full = acc.get_state_dict(model)   # ZeRO-3: gathered by every rank, returned on the main one only
     if is_main:
         state = drafter.to_engine_names({k.removeprefix("drafter."): v for k, v in full.items()})

@@ -154,6 +154,7 @@ class Config:
     capture: CaptureConfig = field(default_factory=CaptureConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     resume: bool = False
+    export_only: bool = False                 # export run_dir's latest checkpoint as it is (a run cut short), no training
 
 
 def register() -> None:

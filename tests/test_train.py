@@ -183,3 +183,34 @@ def test_fp8_aux_features_train_like_bf16_and_are_not_mistaken_for_them(tiny_run
     assert p.returncode != 0
     err = p.stderr + p.stdout
     assert "float8_e4m3fn" in err and "bfloat16" in err and "capture.aux_dtype" in err
+
+
+def test_export_only_exports_the_latest_checkpoint_and_keeps_the_run(tiny_run, tmp_path):
+    """A run cut short: export_only=true writes the export of its latest checkpoint (here step 4 of
+    8) without training a step, leaves metrics and checkpoints alone; without a checkpoint it stops
+    with an error that names the directory."""
+    import shutil
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run / "run", run)
+    (run / "checkpoints" / "latest").write_text("step_0000004\n")
+    shutil.rmtree(run / "export")
+    before = (run / "metrics.jsonl").read_text()
+    run_train("+experiment=tiny", f"run_dir={run}", f"data.features_dir={tiny_run}/features", "export_only=true",
+              "train.steps=8", "train.save_every=4")
+    assert (run / "metrics.jsonl").read_text() == before
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step_0000004", "step_0000008"]
+    exported = load_file(run / "export" / "vllm" / "model.safetensors")
+    saved = {k.removeprefix("drafter."): v for k, v in
+             load_file(run / "checkpoints" / "step_0000004" / "model.safetensors").items()}
+    final = load_file(run / "checkpoints" / "step_0000008" / "model.safetensors")
+    assert "midlayer.self_attn.q_proj.weight" in exported
+    for name, t in exported.items():
+        if name in ("d2t", "t2d"):
+            continue
+        torch.testing.assert_close(t, saved[name].to(t.dtype), rtol=0, atol=0, msg=name)
+    assert not torch.equal(exported["lm_head.weight"], final["drafter.lm_head.weight"].to(torch.bfloat16))
+
+    p = run_train("+experiment=tiny", f"run_dir={tmp_path}/empty", f"data.features_dir={tiny_run}/features",
+                  "export_only=true", check=False)
+    assert p.returncode != 0 and "export_only=true" in p.stderr + p.stdout
+    assert str(tmp_path / "empty" / "checkpoints") in p.stderr + p.stdout
