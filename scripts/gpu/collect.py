@@ -8,12 +8,17 @@ run named in --exports that has finished and was not sent before, its export/vll
 split into parts of 15 MiB (the tool brings back at most 8 files of 16 MiB, 64 MiB in all), and
 with --answers the regenerated-answers file, xz-compressed, in parts of 15 MiB (join with cat,
 then xz -d).
+
+--snapshot NAMES: for each named training that has NOT finished (still running, or failed), export
+its latest checkpoint (its own command with export_only=true, beside the running job) and send
+that as exp_<run>_snapshot.tar: what a lease that ends before the run does still brings back.
 """
 from __future__ import annotations
 
 import argparse
 import io
 import json
+import subprocess
 import tarfile
 import time
 from pathlib import Path
@@ -28,6 +33,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--wait", type=float, default=0)
     ap.add_argument("--exports", default="")
+    ap.add_argument("--snapshot", default="", help="unfinished runs: export and send their latest checkpoint")
     ap.add_argument("--answers", type=Path, help="a regenerated-answers JSONL to bring back, xz-compressed "
                                                  "(a fresh machine cannot resume it otherwise)")
     args = ap.parse_args()
@@ -84,11 +90,35 @@ def main() -> None:
         with tarfile.open(fileobj=buf, mode="w") as tar:
             tar.add(src, arcname=f"{run}/vllm")
         send(run, buf.getvalue(), f"exp_{run}.tar")
+    for run in [r for r in args.snapshot.split(",") if r]:
+        if status.get(run, {}).get("state") not in ("run", "fail"):
+            continue
+        src = snapshot_export(work, run)
+        if src is not None:
+            buf = io.BytesIO()
+            with tarfile.open(fileobj=buf, mode="w") as tar:
+                tar.add(src, arcname=f"{run}/vllm")
+            send(f"{run}@snapshot", buf.getvalue(), f"exp_{run}_snapshot.tar")
     if args.answers and args.answers.exists() and str(args.answers) not in sent:
         import lzma
         send(str(args.answers), lzma.compress(args.answers.read_bytes(), preset=6), "answers.jsonl.xz")
     sent_path.write_text("\n".join(sorted(sent)))
     print(f"[collect] {files} files, {used / 2**20:.1f} MiB")
+
+
+def snapshot_export(work: Path, run: str):
+    """Run the job's own command (the first line of its log) with export_only=true: the export of its
+    latest checkpoint, in its run_dir/export. Returns the vllm export dir, or None (no checkpoint yet)."""
+    cmd = (work / "logs" / f"{run}.log").read_text().splitlines()[0].split()
+    root = Path(__file__).resolve().parents[2]
+    p = subprocess.run([*cmd, "export_only=true"], cwd=root, capture_output=True, text=True)
+    if p.returncode != 0:
+        print(f"[collect] {run}: no snapshot ({p.returncode}): {(p.stdout + p.stderr)[-600:]}")
+        return None
+    ck = work / "runs" / run / "checkpoints"
+    step = json.loads((ck / (ck / "latest").read_text().strip() / "trainer_state.json").read_text())["step"]
+    print(f"[collect] {run}: exported its checkpoint of step {step}")
+    return work / "runs" / run / "export" / "vllm"
 
 
 if __name__ == "__main__":
