@@ -2,6 +2,7 @@
 CPU with tiny sizes (--dry-run): a training the lease cut short still brings its drafter back."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -36,7 +37,7 @@ def test_collect_snapshot_exports_the_latest_checkpoint_of_an_unfinished_run(tmp
     (work / "status.json").write_text(json.dumps(status))
     run_dir = work / "runs" / "long_b64_e10_g32"
     final = load_file(run_dir / "export" / "vllm" / "model.safetensors")
-    subprocess.run(["rm", "-rf", str(run_dir / "export")], check=True)
+    shutil.rmtree(run_dir / "export")
     out.mkdir()
     log = run("scripts/gpu/collect.py", "--work", str(work), "--out", str(out), "--exports", "long_b64_e10_g32",
               "--snapshot", "long_b64_e10_g32")

@@ -82,23 +82,23 @@ def main() -> None:
         sent.add(key)
         print(f"[collect] {key}: {len(data) / 2**20:.1f} MiB in {len(parts)} parts")
 
+    def send_export(key: str, run: str, src: Path, name: str) -> None:
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            tar.add(src, arcname=f"{run}/vllm")
+        send(key, buf.getvalue(), name)
+
     for run in [r for r in args.exports.split(",") if r]:
         src = work / "runs" / run / "export" / "vllm"
         if run in sent or status.get(run, {}).get("state") != "ok" or not (src / "model.safetensors").exists():
             continue
-        buf = io.BytesIO()
-        with tarfile.open(fileobj=buf, mode="w") as tar:
-            tar.add(src, arcname=f"{run}/vllm")
-        send(run, buf.getvalue(), f"exp_{run}.tar")
+        send_export(run, run, src, f"exp_{run}.tar")
     for run in [r for r in args.snapshot.split(",") if r]:
         if status.get(run, {}).get("state") not in ("run", "fail"):
             continue
         src = snapshot_export(work, run)
         if src is not None:
-            buf = io.BytesIO()
-            with tarfile.open(fileobj=buf, mode="w") as tar:
-                tar.add(src, arcname=f"{run}/vllm")
-            send(f"{run}@snapshot", buf.getvalue(), f"exp_{run}_snapshot.tar")
+            send_export(f"{run}@snapshot", run, src, f"exp_{run}_snapshot.tar")
     if args.answers and args.answers.exists() and str(args.answers) not in sent:
         import lzma
         send(str(args.answers), lzma.compress(args.answers.read_bytes(), preset=6), "answers.jsonl.xz")
