@@ -186,18 +186,19 @@ def main(cfg) -> None:
     vocab = vocab.to(device)
     model = Objective(drafter, vocab, c.train.ttt_steps, c.train.step_decay)
     if ds_plugin is not None and c.dist.zero_stage == 3:
-        # The loss casts the weights once per unroll (Eagle3Drafter.weights) and uses them outside
-        # their own modules' forward: ZeRO-3 must gather them for the Objective's forward instead
-        # (they would be empty). The norms need it not, and it costs them nothing; fc is called as
-        # a module and gathered by its own hook.
+        # The loss casts the weights once per unroll (Eagle3Drafter.weights, .project) and uses
+        # them outside their own modules' forward: ZeRO-3 must gather them for the Objective's
+        # forward instead (they would be empty). The norms need it not, and it costs them nothing.
         from deepspeed.runtime.zero.partition_parameters import register_external_parameter
-        for name, p in drafter.named_parameters():
-            if p.requires_grad and not name.startswith("fc."):
+        for p in drafter.parameters():
+            if p.requires_grad:
                 register_external_parameter(model, p)
     trainable = [p for p in drafter.parameters() if p.requires_grad]
-    # fused on a GPU; DeepSpeed steps its own flat partitions (and clips by itself)
+    # the step writes the weights' autocast copies for the forward (eagle3/optim.py); DeepSpeed
+    # steps its own flat partitions (and clips by itself): no copies there
+    autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed)
     optimizer = adamw(trainable, c.optim.lr, c.optim.betas, c.optim.weight_decay,
-                      fused=use_cuda and ds_plugin is None)
+                      copy_dtype=autocast_dtype if ds_plugin is None else None)
     per_rank = c.train.batch_size // world
     micro = c.train.micro_batch_size or per_rank
     if per_rank * world != c.train.batch_size or per_rank % micro:
@@ -272,7 +273,7 @@ def main(cfg) -> None:
         if ds_plugin is None and c.optim.grad_clip > 0:
             if acc.scaler is None:
                 clip_grad_norm(optimizer, trainable, c.optim.grad_clip)
-            else:   # fp16: the loss scaler unscales (and sets a fused AdamW's grad_scale) itself
+            else:   # fp16: the loss scaler unscales the gradients itself
                 acc.clip_grad_norm_(trainable, c.optim.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -166,10 +166,11 @@ class UnrollWeights:
     """The drafter's weights in the compute dtype (autocast's when on), cast once per unroll.
 
     q/k/v are fused ([nh*d + 2*nkv*d] output rows) and split by input columns: `embed` [N, H] reads
-    input_layernorm(embed(x)) and is used once for all TTT steps (a plain tensor); `hidden` reads
-    hidden_norm(h). It and the others serve every TTT step, so their gradients are summed inside
-    the GEMMs (eagle3/reused.py)."""
-    embed: torch.Tensor
+    input_layernorm(embed(x)) and is used once for all TTT steps; `hidden` reads hidden_norm(h).
+    It and the others serve every TTT step, so their gradients are summed inside the GEMMs
+    (eagle3/reused.py); `embed` goes the same way for its one use, so that every weight's
+    gradient arrives in the weight's dtype and no weight is cast where the optimizer kept a copy."""
+    embed: Reused
     hidden: Reused
     o: Reused
     gate: Reused
@@ -290,7 +291,7 @@ class DecoderLayer(nn.Module):
         """[B, T, H] token embeddings -> [B, T, N]: their part of q/k/v. q/k/v read
         cat[input_layernorm(embed), hidden_norm(h)], so W @ a = W_embed @ e + W_hidden @ h; TTT
         step s at row t reads the embedding of row t+s+1, so one projection serves all steps."""
-        return F.linear(self.input_layernorm(embeds), w.embed)
+        return linear(self.input_layernorm(embeds), w.embed)
 
     def forward(self, e_qkv, h, positions, w: UnrollWeights, keys=None, extra=None):
         qkv = e_qkv + linear(self.hidden_norm(h), w.hidden)
@@ -341,15 +342,19 @@ class Eagle3Drafter(nn.Module):
     # -- pieces used by training-time test (eagle3/loss.py) and inference ----------------------
     def project(self, aux: torch.Tensor) -> torch.Tensor:
         """aux [B, T, k*Ht] (the target's aux states, concatenated; stored in bf16) -> h [B, T, H]."""
-        return self.fc(aux.to(self.fc.weight.dtype))
+        return linear(aux, reuse(self.fc.weight, self._compute_dtype()))
+
+    def _compute_dtype(self) -> torch.dtype:
+        """autocast's dtype when it is on, else the weights' own."""
+        dev = self.fc.weight.device.type
+        return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else self.fc.weight.dtype
 
     def weights(self) -> UnrollWeights:
         """The weights in the compute dtype (autocast's when on) for one unroll: embed_qkv, layer
         and logits read them (training-time test: S layer steps; inference: one call)."""
         attn, mlp = self.midlayer.self_attn, self.midlayer.mlp
-        dev = attn.qkv_embed.device.type
-        dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else attn.qkv_embed.dtype
-        return UnrollWeights(embed=attn.qkv_embed.to(dt), hidden=reuse(attn.qkv_hidden, dt),
+        dt = self._compute_dtype()
+        return UnrollWeights(embed=reuse(attn.qkv_embed, dt), hidden=reuse(attn.qkv_hidden, dt),
                              o=reuse(attn.o_proj.weight, dt), gate=reuse(mlp.gate_proj.weight, dt),
                              up=reuse(mlp.up_proj.weight, dt), down=reuse(mlp.down_proj.weight, dt),
                              lm_head=reuse(self.lm_head.weight, dt))

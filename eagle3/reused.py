@@ -5,34 +5,72 @@ of those weights gets S gradient contributions. Plain autograd writes each contr
 own weight-sized tensor and adds them one by one: S writes plus S-1 read-read-write passes over
 every weight (7.2 ms of a 177 ms Kimi-size step on an H200, docs/perf.md). Here the weight is cast
 to the compute dtype once per unroll (`reuse`), every use goes through `linear`, and each use's
-backward adds its contribution into ONE buffer with the GEMM itself (addmm_, beta = 1): S GEMMs,
+backward adds its contribution into ONE buffer with the GEMM itself (addmm, beta = 1): S GEMMs,
 the first writing and the rest reading and writing the buffer, and nothing else. The cast's own
 backward, which autograd runs only after every use's backward (it depends on all of them), hands
 the sum to the weight.
 
+The buffer is in the weight's own dtype (fp32 master weights under bf16 autocast): on a GPU the
+GEMM writes fp32 from bf16 inputs itself (cuBLAS's epilogue, `out_dtype`), so neither a bf16
+partial sum nor a separate cast pass over the gradient exists. Elsewhere the product is cast.
+
+The cast itself is skipped where the optimizer already wrote the weight in the compute dtype
+(`keep_copy`, eagle3/optim.AdamW): a copy counts only while the weight's version counter is the one
+it was written at, so any other change to the weight (a loaded checkpoint, an in-place edit) makes
+`reuse` cast again instead of reading a stale copy.
+
 Same math as F.linear everywhere; the sum is only rounded differently (once per GEMM into the
-buffer's dtype, as autograd's adds round once per add). tests/test_loss.py checks every gradient
-of the unrolled loss against a naive reference in float64, tests/test_fused.py against F.linear.
+buffer's dtype). tests/test_loss.py checks every gradient of the unrolled loss against a naive
+reference in float64, tests/test_fused.py against F.linear, tests/test_optim.py the copies.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
+
+_COPIES: WeakIdKeyDictionary = WeakIdKeyDictionary()     # weight -> (its copy, weight._version then)
+
+
+def keep_copy(weight: torch.Tensor, copy: torch.Tensor) -> None:
+    """copy == weight.to(copy.dtype) now: `reuse` may read it until the weight changes."""
+    _COPIES[weight] = (copy, weight._version)
+
+
+def kept_copy(weight: torch.Tensor, dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """The weight's kept copy in `dtype` if it is still current, else None."""
+    kept = _COPIES.get(weight)
+    if kept is None or kept[0].dtype != dtype or kept[1] != weight._version:
+        return None
+    return kept[0]
 
 
 @dataclass
 class _Sum:
+    dtype: torch.dtype                      # the weight's: the gradient is summed in it
     buf: Optional[torch.Tensor] = None      # the weight gradient summed over the uses so far
+
+    def add_product(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        """buf (+)= a @ b, in `dtype`."""
+        native = a.is_cuda and a.dtype != self.dtype        # cuBLAS writes the wider dtype itself
+        if self.buf is None:
+            self.buf = torch.mm(a, b, out_dtype=self.dtype) if native else (a @ b).to(self.dtype)
+        elif native:
+            torch.addmm(self.buf, a, b, out_dtype=self.dtype, out=self.buf)
+        elif a.dtype == self.dtype:
+            self.buf.addmm_(a, b)
+        else:
+            self.buf += a @ b
 
 
 @dataclass
 class Reused:
     """A weight in the compute dtype for one unroll, and its uses' gradient sum."""
     weight: torch.Tensor
-    grad: _Sum = field(default_factory=_Sum)
+    grad: _Sum
 
 
 class _Cast(torch.autograd.Function):
@@ -40,14 +78,17 @@ class _Cast(torch.autograd.Function):
     def forward(ctx, w, dtype, total):
         ctx.total = total
         ctx.set_materialize_grads(False)     # the uses return no weight gradient: nothing to fill
-        return w.to(dtype) if w.dtype != dtype else w.view_as(w)
+        if w.dtype == dtype:
+            return w.view_as(w)
+        kept = kept_copy(w, dtype)
+        return kept.view_as(kept) if kept is not None else w.to(dtype)
 
     @staticmethod
     def backward(ctx, g):
         buf, ctx.total.buf = ctx.total.buf, None
         if g is not None:                    # a use outside `linear` (there is none in this project)
-            buf = g if buf is None else buf + g
-        return buf, None, None               # autograd casts it to the parameter's dtype
+            buf = g.to(ctx.total.dtype) if buf is None else buf + g
+        return buf, None, None
 
 
 class _Linear(torch.autograd.Function):
@@ -63,17 +104,13 @@ class _Linear(torch.autograd.Function):
         x, w = ctx.saved_tensors
         dx = dy @ w if ctx.needs_input_grad[0] else None
         if ctx.needs_input_grad[1]:
-            dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
-            if ctx.total.buf is None:
-                ctx.total.buf = dy2.T @ x2
-            else:
-                ctx.total.buf.addmm_(dy2.T, x2)
+            ctx.total.add_product(dy.reshape(-1, dy.shape[-1]).T, x.reshape(-1, x.shape[-1]))
         return dx, None, None
 
 
 def reuse(weight: torch.Tensor, dtype: torch.dtype) -> Reused:
     """weight (a parameter) in `dtype` for one unroll; every use must go through `linear`."""
-    total = _Sum()
+    total = _Sum(weight.dtype)
     return Reused(_Cast.apply(weight, dtype, total), total)
 
 
