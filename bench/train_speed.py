@@ -73,6 +73,8 @@ def parse_args():
     ap.add_argument("--peak-tflops", type=float, help="default: measured matmul throughput")
     ap.add_argument("--profile", action="store_true", help="print where one step's time goes")
     ap.add_argument("--shapes", action="store_true", help="with --profile: also by op and input shapes")
+    ap.add_argument("--stacks", action="store_true",
+                    help="with --profile: also the non-matmul ops by where in this project they are called")
     ap.add_argument("--compile", choices=["auto", "on", "off", "both"], default="auto",
                     help="fused elementwise kernels through torch.compile (see the module doc)")
     ap.add_argument("--check-numerics", action="store_true",
@@ -108,12 +110,12 @@ def done_flops(s: DrafterShape, B: int, T: int, steps: int) -> float:
     return train_flops(s, B, T, steps) - 3 * embed_qkv * (steps - 1) - fc
 
 
-def profile_step(run_step, device, rows: int = 25, shapes: bool = False):
+def profile_step(run_step, device, rows: int = 25, shapes: bool = False, stacks: bool = False):
     """One step under torch.profiler: kernels by total time, and the share of the big groups;
     with `shapes`, also the aten ops by input shapes (which copy, which add)."""
     from torch.profiler import ProfilerActivity, profile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=acts, record_shapes=shapes) as prof:
+    with profile(activities=acts, record_shapes=shapes, with_stack=stacks) as prof:
         run_step()
         sync(device)
     key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
@@ -125,6 +127,20 @@ def profile_step(run_step, device, rows: int = 25, shapes: bool = False):
     else:
         events = [(e.key, getattr(e, key)) for e in prof.key_averages() if getattr(e, key) > 0]
     total = sum(t for _, t in events)
+    # GPU idle inside the step: the span from the first kernel's start to the last one's end, less
+    # the union of the kernels' intervals (the time no kernel ran: launch gaps, host syncs)
+    if device.type == "cuda":
+        spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                       if e.device_type == DeviceType.CUDA)
+        busy, end = 0, None
+        for a, b in spans:
+            if end is None or a > end:
+                busy, end = busy + (b - a), b
+            elif b > end:
+                busy, end = busy + (b - end), b
+        span = spans[-1][1] - spans[0][0] if spans else 0
+        print(f"gpu busy      {busy / 1e3:.1f} ms of a {span / 1e3:.1f} ms span "
+              f"(idle {(span - busy) / 1e3:.1f} ms: launch gaps and host syncs)")
     groups = {"matmul": ("gemm", "matmul", "mm", "addmm", "linear", "cutlass", "sm90_xmma", "nvjet"),
               "attention": ("flash", "fmha", "attention"),
               "copy/cast": ("copy", "cast", "to_copy", "cat", "index", "gather", "scatter")}
@@ -138,6 +154,27 @@ def profile_step(run_step, device, rows: int = 25, shapes: bool = False):
         f"{g} {v / 1e3:.1f} ms ({v / max(total, 1):.0%})" for g, v in share.items())
         + f", rest {(total - sum(share.values())) / 1e3:.1f} ms")
     print(prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60))
+    if stacks:   # which line of ours launched the non-matmul work (for backward: which node)
+        by_caller = {}
+        for e in prof.events():
+            if not e.name.startswith("aten::") or any(w in e.name for w in ("mm", "linear", "matmul", "flash", "_fused_adamw")):
+                continue
+            t = e.self_device_time_total if device.type == "cuda" else e.self_cpu_time_total
+            if t <= 0:
+                continue
+            frames, parent = [], e.cpu_parent
+            while parent is not None and len(frames) < 3:
+                if "eagle3/" in parent.name or "bench/" in parent.name:
+                    frames.append(parent.name.split("/")[-1])
+                elif parent.name.startswith("autograd::engine::evaluate_function"):
+                    frames.append(parent.name.split(": ")[-1])
+                parent = parent.cpu_parent
+            k = (e.name, " < ".join(frames))
+            tot, n = by_caller.get(k, (0.0, 0))
+            by_caller[k] = (tot + t, n + 1)
+        print(f"{'op':28s} {'self ms':>8s} {'calls':>5s}  called from (innermost first)")
+        for (name, where), (t, n) in sorted(by_caller.items(), key=lambda kv: -kv[1][0])[:2 * rows]:
+            print(f"{name:28s} {t / 1e3:8.2f} {n:5d}  {where or '?'}")
     if shapes:   # aten ops only (a kernel row has no shapes), by their own device time
         ops = [e for e in prof.key_averages(group_by_input_shape=True) if e.key.startswith("aten::")]
         print(f"{'op':32s} {'self ms':>8s} {'calls':>5s}  input shapes")
@@ -194,7 +231,8 @@ def measure(args, shape: DrafterShape, device, cdtype):
         model = Eagle3Drafter(shape)                          # fp32 master weights
     model.embed_tokens.to(cdtype)                             # frozen: no master copy needed
     trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = adamw(trainable, args.lr, (0.9, 0.95), 0.0, fused=device.type == "cuda")
+    opt = adamw(trainable, args.lr, (0.9, 0.95), 0.0,
+                copy_dtype=torch.bfloat16 if args.dtype == "bf16" else None)   # as train.py
     batch, head, vocab = synthetic_batch(shape, args.batch, args.seq, device, cdtype, gen)
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bf16"
                 else contextlib.nullcontext())
@@ -255,7 +293,8 @@ def measure(args, shape: DrafterShape, device, cdtype):
           f"({'given' if args.peak_tflops else 'measured matmul'})")
 
     if args.profile:
-        profile_step(lambda: (forward_backward(), optimizer_step()), device, shapes=args.shapes)
+        profile_step(lambda: (forward_backward(), optimizer_step()), device, shapes=args.shapes,
+                     stacks=args.stacks)
 
 
 def check_numerics(args, shape: DrafterShape, device, cdtype):
@@ -292,6 +331,34 @@ def check_numerics(args, shape: DrafterShape, device, cdtype):
     (le, ge), (lc, gc_) = results["eager"], results["compiled"]
     print(f"numerics      compiled vs eager ({args.dtype}): loss rel {abs(lc - le) / abs(le):.2e}, "
           f"gradient rel L2 {float((gc_ - ge).norm() / ge.norm()):.2e}")
+    check_optimizer(trainable, ref_grads, args.clip, cdtype)
+
+
+def check_optimizer(params, grads: torch.Tensor, clip: float, cdtype, steps: int = 3):
+    """Our clipped AdamW step (compiled where eagle3/fused.py compiles) against clip_grad_norm_ +
+    torch's plain AdamW, on copies of the weights, with the gradients given (flat) and their
+    halves on alternate steps; and the copies it keeps against the weights' casts."""
+    from eagle3.reused import kept_copy
+    fused.set_enabled(None)
+    ours = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = adamw(ours, 1e-3, (0.9, 0.95), 0.01, copy_dtype=cdtype)
+    ref_opt = torch.optim.AdamW(ref, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.01, foreach=False)
+    for step in range(steps):
+        g = grads * (1.0 if step % 2 == 0 else 0.5)
+        for a, b in zip(ours, ref):
+            n = a.numel()
+            a.grad, b.grad = g[:n].view_as(a).clone(), g[:n].view_as(b).clone()
+            g = g[n:]
+        clip_grad_norm(opt, ours, clip)
+        torch.nn.utils.clip_grad_norm_(ref, clip, foreach=False)
+        opt.step()
+        ref_opt.step()
+    diff = max(float((a - b).detach().abs().max() / b.detach().abs().max()) for a, b in zip(ours, ref))
+    stale = sum(not torch.equal(kept_copy(a, cdtype), a.detach().to(cdtype)) for a in ours
+                if cdtype != a.dtype)
+    print(f"numerics      optimizer: {steps} clipped AdamW steps against torch's plain AdamW, "
+          f"max rel difference {diff:.2e}; kept copies not equal to the weights' casts: {stale}")
 
 
 def main():
