@@ -13,5 +13,5 @@ cd /tmp/w
 python3 -c "from eagle3.targets import resolve_target as r; print(r('gguf', '', 'smollm2', 'llama', {}, 0))"
 setsid nohup python3 scripts/gpu/proof.py --work /tmp/proof ${ONLY:+--only $ONLY} ${PROOF_ARGS:-} > /tmp/proof/runner.log 2>&1 < /dev/null &
 sleep 5
-python3 scripts/gpu/collect.py --work /tmp/proof --out $OUT --wait ${WAIT:-500} --exports ${EXPORTS:-}
+python3 scripts/gpu/collect.py --work /tmp/proof --out $OUT --wait ${WAIT:-500} ${EXPORTS:+--exports $EXPORTS}
 tail -40 /tmp/proof/runner.log
