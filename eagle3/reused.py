@@ -10,9 +10,9 @@ the first writing and the rest reading and writing the buffer, and nothing else.
 backward, which autograd runs only after every use's backward (it depends on all of them), hands
 the sum to the weight.
 
-The buffer is in the weight's own dtype (fp32 master weights under bf16 autocast): on a GPU the
-GEMM writes fp32 from bf16 inputs itself (cuBLAS's epilogue, `out_dtype`), so neither a bf16
-partial sum nor a separate cast pass over the gradient exists. Elsewhere the product is cast.
+The buffer is in the compute dtype, and autograd casts the sum to the weight's dtype once. (Having
+cuBLAS write and sum fp32 itself, `out_dtype`, measured 5.3 ms slower in those GEMMs of a Kimi-size
+step on an H200 than the 2.7 ms cast it saves: docs/perf.md.)
 
 The cast itself is skipped where the optimizer already wrote the weight in the compute dtype
 (`keep_copy`, eagle3/optim.AdamW): a copy counts only while the weight's version counter is the one
@@ -50,20 +50,14 @@ def kept_copy(weight: torch.Tensor, dtype: torch.dtype) -> Optional[torch.Tensor
 
 @dataclass
 class _Sum:
-    dtype: torch.dtype                      # the weight's: the gradient is summed in it
     buf: Optional[torch.Tensor] = None      # the weight gradient summed over the uses so far
 
     def add_product(self, a: torch.Tensor, b: torch.Tensor) -> None:
-        """buf (+)= a @ b, in `dtype`."""
-        native = a.is_cuda and a.dtype != self.dtype        # cuBLAS writes the wider dtype itself
+        """buf (+)= a @ b, in the compute dtype (the GEMM's own; autograd casts the sum once)."""
         if self.buf is None:
-            self.buf = torch.mm(a, b, out_dtype=self.dtype) if native else (a @ b).to(self.dtype)
-        elif native:
-            torch.addmm(self.buf, a, b, out_dtype=self.dtype, out=self.buf)
-        elif a.dtype == self.dtype:
-            self.buf.addmm_(a, b)
+            self.buf = a @ b
         else:
-            self.buf += a @ b
+            self.buf.addmm_(a, b)
 
 
 @dataclass
@@ -87,8 +81,8 @@ class _Cast(torch.autograd.Function):
     def backward(ctx, g):
         buf, ctx.total.buf = ctx.total.buf, None
         if g is not None:                    # a use outside `linear` (there is none in this project)
-            buf = g.to(ctx.total.dtype) if buf is None else buf + g
-        return buf, None, None
+            buf = g if buf is None else buf + g
+        return buf, None, None               # autograd casts it to the parameter's dtype
 
 
 class _Linear(torch.autograd.Function):
@@ -110,7 +104,7 @@ class _Linear(torch.autograd.Function):
 
 def reuse(weight: torch.Tensor, dtype: torch.dtype) -> Reused:
     """weight (a parameter) in `dtype` for one unroll; every use must go through `linear`."""
-    total = _Sum(weight.dtype)
+    total = _Sum()
     return Reused(_Cast.apply(weight, dtype, total), total)
 
 
