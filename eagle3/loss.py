@@ -184,6 +184,7 @@ def ttt_loss(drafter: Eagle3Drafter, input_ids: torch.Tensor, loss_mask: torch.T
     accepted = torch.zeros(ttt_steps, dtype=torch.int64, device=dev)
     alive = (loss_mask.bool() & real)[:, 2:]                # [B, T-2]: chains start at every assistant token
     chained = alive.sum()
+    counted = all_counted_rows(loss_mask, real, top, t2d, ttt_steps)
     for s in range(ttt_steps):
         h, k, v = drafter.layer(e_qkv[:, s:s + T], h, positions + s, w, keys,
                                 extra if s else None)
@@ -196,13 +197,12 @@ def ttt_loss(drafter: Eagle3Drafter, input_ids: torch.Tensor, loss_mask: torch.T
         if n <= 0:
             alive = torch.zeros_like(alive)
             continue
-        counted = counted_rows(loss_mask, real, top, t2d, s)              # [B, n]
-        b, t = counted.nonzero(as_tuple=True)
+        b, t = counted[s]
+        num = len(b)
         rows = b * T + t                                                   # [N] into B*T rows
         logits = drafter.logits(h.reshape(B * T, -1)[rows], w)            # [N, Vd]
         ce = _SoftCrossEntropy.apply(logits, p_rows, rows + 1 + s)        # [N]; teacher row t+1+s
-        num = counted.sum()
-        loss_s = ce.sum() / num.clamp(min=1)
+        loss_s = ce.sum() / max(num, 1)
         total = total + decay ** s * (loss_s if norm is None else ce.sum() / norm[s])
         with torch.no_grad():
             step_loss[s] = loss_s.detach().float()
@@ -215,6 +215,20 @@ def ttt_loss(drafter: Eagle3Drafter, input_ids: torch.Tensor, loss_mask: torch.T
             accepted[s] = alive.sum()
     return TTTOutput(loss=total, per_step_loss=step_loss, correct=correct, count=count, accepted=accepted,
                      chained=chained)
+
+
+def all_counted_rows(loss_mask: torch.Tensor, attention_mask: torch.Tensor, top: torch.Tensor,
+                     t2d: torch.Tensor, ttt_steps: int) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """For each TTT step s, the (batch, row) indices of counted_rows(..., s). Found for all steps
+    at once: the number of rows is data, so the host waits for the device once per unroll, not
+    once per step (each wait leaves the GPU idle until the host has queued work again)."""
+    B, T = top.shape
+    every = torch.zeros(ttt_steps, B, max(T - 2, 0), dtype=torch.bool, device=top.device)
+    for s in range(min(ttt_steps, max(T - 2, 0))):
+        every[s, :, :T - 2 - s] = counted_rows(loss_mask, attention_mask, top, t2d, s)
+    _, b, t = every.nonzero(as_tuple=True)                  # step-major: split by the steps' counts
+    sizes = every.sum((1, 2)).tolist()
+    return list(zip(b.split(sizes), t.split(sizes)))
 
 
 def counted_rows(loss_mask: torch.Tensor, attention_mask: torch.Tensor, top: torch.Tensor,
@@ -231,8 +245,9 @@ def step_counts(loss_mask: torch.Tensor, attention_mask: torch.Tensor, top: torc
                 t2d: torch.Tensor, ttt_steps: int) -> torch.Tensor:
     """[S] int64: how many rows each TTT step counts (what `norm` sums over a global batch)."""
     T = top.shape[1]
-    return torch.tensor([int(counted_rows(loss_mask, attention_mask, top, t2d, s).sum()) if T - 2 - s > 0 else 0
-                         for s in range(ttt_steps)], dtype=torch.int64, device=top.device)
+    zero = torch.zeros((), dtype=torch.int64, device=top.device)
+    return torch.stack([counted_rows(loss_mask, attention_mask, top, t2d, s).sum() if T - 2 - s > 0 else zero
+                        for s in range(ttt_steps)])       # on the device: no host sync
 
 
 @torch.no_grad()
