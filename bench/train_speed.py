@@ -141,6 +141,21 @@ def profile_step(run_step, device, rows: int = 25, shapes: bool = False, stacks:
         span = spans[-1][1] - spans[0][0] if spans else 0
         print(f"gpu busy      {busy / 1e3:.1f} ms of a {span / 1e3:.1f} ms span "
               f"(idle {(span - busy) / 1e3:.1f} ms: launch gaps and host syncs)")
+        if stacks:   # the largest idle gaps, and the kernels around them
+            kernels = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                              if e.device_type == DeviceType.CUDA), key=lambda k: k[0])
+            gaps, end, before = [], kernels[0][1], kernels[0][2]
+            for a, b, name in kernels[1:]:
+                if a > end:
+                    gaps.append((a - end, before, name))
+                if b >= end:
+                    end, before = b, name
+            gaps.sort(key=lambda g: -g[0])
+            sizes = [g[0] for g in gaps]
+            print(f"idle gaps     {len(gaps)}: {sum(x for x in sizes if x >= 100) / 1e3:.1f} ms in "
+                  f"{sum(x >= 100 for x in sizes)} gaps of >= 100 us, {sum(x for x in sizes if x < 100) / 1e3:.1f} ms in the rest")
+            for us, a, b in gaps[:rows]:
+                print(f"  {us:7.0f} us  after {a[:60]}  before {b[:60]}")
     groups = {"matmul": ("gemm", "matmul", "mm", "addmm", "linear", "cutlass", "sm90_xmma", "nvjet"),
               "attention": ("flash", "fmha", "attention"),
               "copy/cast": ("copy", "cast", "to_copy", "cat", "index", "gather", "scatter")}
@@ -250,13 +265,14 @@ def measure(args, shape: DrafterShape, device, cdtype):
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    step_ms, fwd_bwd_ms, counted = [], [], 0.0
+    step_ms, fwd_bwd_ms, host_ms, counted = [], [], [], 0.0
     sync(device)
     t_start = time.perf_counter()
     for i in range(args.warmup + args.steps):
         sync(device)
         t0 = time.perf_counter()
         out = forward_backward()
+        th = time.perf_counter()              # the host has queued all of it (backward() returned)
         sync(device)
         t1 = time.perf_counter()
         optimizer_step()
@@ -267,6 +283,7 @@ def measure(args, shape: DrafterShape, device, cdtype):
         if i >= args.warmup:
             step_ms.append(1e3 * (t2 - t0))
             fwd_bwd_ms.append(1e3 * (t1 - t0))
+            host_ms.append(1e3 * (th - t0))
         counted = float(out.count[0]) / (args.batch * max(args.seq - 2, 1))
         del out
 
@@ -283,6 +300,8 @@ def measure(args, shape: DrafterShape, device, cdtype):
     print(f"ms/step       {ms:.1f} median of {len(step_ms)} "
           f"(forward+backward {statistics.median(fwd_bwd_ms):.1f}, "
           f"clip+optimizer {ms - statistics.median(fwd_bwd_ms):.1f})")
+    print(f"host          {statistics.median(host_ms):.1f} ms to queue forward+backward (near its "
+          f"time: the GPU waits for the host)")
     if args.warmup:
         print(f"warm-up       {warmup_s:.1f} s for {args.warmup} step(s) (compiling included)")
     print(f"tokens/s      {tokens / ms * 1e3:,.0f}")
