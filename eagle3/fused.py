@@ -55,8 +55,9 @@ def _compiling(x: torch.Tensor) -> bool:
 
 def fused(fn: Callable) -> Callable:
     """fn(x, ...) -> torch.compile(fn)(x, ...) when compiling is on for x's device, else fn itself.
-    fn must be a pure tensor function (no side effects, no data-dependent Python control flow);
-    its first argument is a tensor and decides the device."""
+    fn must be a tensor function without data-dependent Python control flow, either pure or
+    updating its tensor arguments in place (the optimizer's step, eagle3/optim.py); its first
+    argument is a tensor and decides the device."""
     compiled = None
 
     @functools.wraps(fn)
