@@ -168,8 +168,8 @@ class UnrollWeights:
     q/k/v are fused ([nh*d + 2*nkv*d] output rows) and split by input columns: `embed` [N, H] reads
     input_layernorm(embed(x)) and is used once for all TTT steps; `hidden` reads hidden_norm(h).
     It and the others serve every TTT step, so their gradients are summed inside the GEMMs
-    (eagle3/reused.py); `embed` goes the same way for its one use, so that every weight's
-    gradient arrives in the weight's dtype and no weight is cast where the optimizer kept a copy."""
+    (eagle3/reused.py); `embed` goes the same way for its one use, so that no weight is cast where
+    the optimizer kept a copy in the compute dtype."""
     embed: Reused
     hidden: Reused
     o: Reused

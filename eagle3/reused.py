@@ -5,14 +5,14 @@ of those weights gets S gradient contributions. Plain autograd writes each contr
 own weight-sized tensor and adds them one by one: S writes plus S-1 read-read-write passes over
 every weight (7.2 ms of a 177 ms Kimi-size step on an H200, docs/perf.md). Here the weight is cast
 to the compute dtype once per unroll (`reuse`), every use goes through `linear`, and each use's
-backward adds its contribution into ONE buffer with the GEMM itself (addmm, beta = 1): S GEMMs,
+backward adds its contribution into ONE buffer with the GEMM itself (addmm_, beta = 1): S GEMMs,
 the first writing and the rest reading and writing the buffer, and nothing else. The cast's own
 backward, which autograd runs only after every use's backward (it depends on all of them), hands
 the sum to the weight.
 
 The buffer is in the compute dtype, and autograd casts the sum to the weight's dtype once. (Having
-cuBLAS write and sum fp32 itself, `out_dtype`, measured 5.3 ms slower in those GEMMs of a Kimi-size
-step on an H200 than the 2.7 ms cast it saves: docs/perf.md.)
+cuBLAS write and sum fp32 itself, `out_dtype`, made those GEMMs of a Kimi-size step on an H200
+4.1 ms slower, as much as the casts it saves: docs/perf.md.)
 
 The cast itself is skipped where the optimizer already wrote the weight in the compute dtype
 (`keep_copy`, eagle3/optim.AdamW): a copy counts only while the weight's version counter is the one

@@ -89,6 +89,25 @@ def test_resume_continues_exactly(tiny_run):
         assert b["acc"] == pytest.approx(a["acc"], abs=1e-9)
 
 
+def test_bf16_autocast_resume_continues_exactly(tiny_run, tmp_path):
+    """Under bf16 autocast the optimizer writes the weights' bf16 copies and the next forward reads
+    them (eagle3/optim.py). A resumed run casts its loaded weights afresh instead: every loss after
+    the checkpoint must equal the uninterrupted run's, so a copy that differed from the cast (or
+    went stale) would show here."""
+    args = ("+experiment=tiny", f"run_dir={tmp_path}/run", f"data.features_dir={tiny_run}/features",
+            "dist.mixed_precision=bf16", "train.steps=6", "train.save_every=3", "train.log_every=1",
+            "train.eval_every=100")
+    run_train(*args)
+    full = {(r["step"], r["split"]): r for r in metrics(tmp_path / "run")}
+    (tmp_path / "run" / "checkpoints" / "latest").write_text("step_0000003\n")
+    run_train(*args, "resume=true")
+    resumed = {(r["step"], r["split"]): r for r in metrics(tmp_path / "run")}
+    losses = [full[(step, "train")]["loss"] for step in range(6)]
+    assert len(set(losses)) == 6                      # it trains: bf16 steps, not one loss repeated
+    for step in range(3, 6):
+        assert resumed[(step, "train")]["loss"] == pytest.approx(full[(step, "train")]["loss"], rel=1e-6), step
+
+
 def test_manifest_mismatch_stops_and_names_both_values(tiny_run, tmp_path):
     p = run_train("+experiment=tiny", f"run_dir={tmp_path}/r", f"data.features_dir={tiny_run}/features",
                   "aux_layers=[1,3,4]", "train.steps=2", check=False)
