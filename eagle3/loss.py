@@ -96,9 +96,16 @@ def target_teacher(final: torch.Tensor, target_lm_head: torch.Tensor, draft_ids:
     top = torch.empty(B * T, dtype=torch.int64, device=final.device)
     for i in range(0, B * T, chunk):
         logits = rows[i:i + chunk] @ target_lm_head.T                # [c, V]
-        top[i:i + chunk] = logits.argmax(-1)
-        p[i:i + chunk] = logits[:, draft_ids].to(dt).softmax(-1)
+        top[i:i + chunk], p[i:i + chunk] = _teacher_rows(logits, draft_ids, dt)
     return p.view(B, T, -1), top.view(B, T)
+
+
+# One kernel on a GPU (eagle3/fused.py): the argmax and the draft columns' softmax read the logits
+# once, instead of an argmax pass, a gathered copy of the draft columns and a softmax over it.
+@fused
+def _teacher_rows(logits, draft_ids, dt: torch.dtype):
+    """logits [c, V] -> (full-vocab argmax [c], softmax over the draft columns [c, Vd] in dt)."""
+    return logits.argmax(-1), logits[:, draft_ids].to(dt).softmax(-1)
 
 
 def ttt_mask(real: torch.Tensor, step: int) -> torch.Tensor:

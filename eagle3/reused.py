@@ -10,9 +10,10 @@ the first writing and the rest reading and writing the buffer, and nothing else.
 backward, which autograd runs only after every use's backward (it depends on all of them), hands
 the sum to the weight.
 
-The buffer is in the compute dtype, and autograd casts the sum to the weight's dtype once. (Having
-cuBLAS write and sum fp32 itself, `out_dtype`, made those GEMMs of a Kimi-size step on an H200
-4.1 ms slower, as much as the casts it saves: docs/perf.md.)
+The buffer is in the compute dtype, and the cast's backward widens the sum to the weight's dtype
+once, as a compiled kernel on a GPU (`_widen`: torch's own cast of those gradients ran at about
+1.8 TB/s, 3.9 ms of a Kimi-size step on an H200). (Having cuBLAS write and sum fp32 itself,
+`out_dtype`, made those GEMMs 4.1 ms slower, as much as the casts it saves: docs/perf.md.)
 
 The cast itself is skipped where the optimizer already wrote the weight in the compute dtype
 (`keep_copy`, eagle3/optim.AdamW): a copy counts only while the weight's version counter is the one
@@ -31,6 +32,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
+
+from eagle3.fused import fused
 
 _COPIES: WeakIdKeyDictionary = WeakIdKeyDictionary()     # weight -> (its copy, weight._version then)
 
@@ -67,10 +70,16 @@ class Reused:
     grad: _Sum
 
 
+@fused
+def _widen(g, dtype: torch.dtype):
+    """g in `dtype` (the weight's): one kernel on a GPU."""
+    return g.to(dtype)
+
+
 class _Cast(torch.autograd.Function):
     @staticmethod
     def forward(ctx, w, dtype, total):
-        ctx.total = total
+        ctx.total, ctx.weight_dtype = total, w.dtype
         ctx.set_materialize_grads(False)     # the uses return no weight gradient: nothing to fill
         if w.dtype == dtype:
             return w.view_as(w)
@@ -82,7 +91,9 @@ class _Cast(torch.autograd.Function):
         buf, ctx.total.buf = ctx.total.buf, None
         if g is not None:                    # a use outside `linear` (there is none in this project)
             buf = g if buf is None else buf + g
-        return buf, None, None               # autograd casts it to the parameter's dtype
+        if buf is not None and buf.dtype != ctx.weight_dtype:
+            buf = _widen(buf, ctx.weight_dtype)
+        return buf, None, None
 
 
 class _Linear(torch.autograd.Function):

@@ -161,3 +161,17 @@ def test_reused_weight_sums_its_uses_gradients_like_autograd():
     assert grads_got[0].dtype == torch.float64
     for a, b in zip(grads_got, grads_want):
         torch.testing.assert_close(a, b.to(a.dtype), rtol=1e-5, atol=1e-5)
+
+
+def test_widened_gradient_and_teacher_compiled_match_eager(compiled):
+    """The cast of a summed bf16 weight gradient to fp32 (exact either way), and the teacher's
+    argmax and draft-column softmax from one pass over the logits."""
+    from eagle3.loss import _teacher_rows
+    from eagle3.reused import _widen
+    (e, _), (c, _) = eager_and_compiled(_widen, rand(37, 11, dtype=torch.bfloat16), torch.float32)
+    assert c.dtype == torch.float32 and torch.equal(c, e)
+    logits, ids = rand(9, 50), torch.tensor([3, 7, 8, 20, 41, 49])
+    (e_top, e_p), (c_top, c_p) = [r for r, _ in eager_and_compiled(_teacher_rows, logits, ids, torch.float32)]
+    assert torch.equal(c_top, e_top) and torch.equal(e_top, logits.argmax(-1))
+    close(e_p, c_p, torch.float32)
+    torch.testing.assert_close(e_p, logits[:, ids].softmax(-1))
