@@ -130,26 +130,19 @@ def profile_step(run_step, device, rows: int = 25, shapes: bool = False, stacks:
     # GPU idle inside the step: the span from the first kernel's start to the last one's end, less
     # the union of the kernels' intervals (the time no kernel ran: launch gaps, host syncs)
     if device.type == "cuda":
-        spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                       if e.device_type == DeviceType.CUDA)
-        busy, end = 0, None
-        for a, b in spans:
-            if end is None or a > end:
-                busy, end = busy + (b - a), b
-            elif b > end:
-                busy, end = busy + (b - end), b
-        span = spans[-1][1] - spans[0][0] if spans else 0
+        kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                         if e.device_type == DeviceType.CUDA)
+        busy, gaps = 0, []                      # gaps: (idle us, the kernel before, the one after)
+        end, before = kernels[0][0], kernels[0][2]
+        for a, b, name in kernels:
+            if a > end:
+                gaps.append((a - end, before, name))
+            if b >= end:
+                busy, end, before = busy + b - max(a, end), b, name
+        span = kernels[-1][1] - kernels[0][0]
         print(f"gpu busy      {busy / 1e3:.1f} ms of a {span / 1e3:.1f} ms span "
               f"(idle {(span - busy) / 1e3:.1f} ms: launch gaps and host syncs)")
         if stacks:   # the largest idle gaps, and the kernels around them
-            kernels = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                              if e.device_type == DeviceType.CUDA), key=lambda k: k[0])
-            gaps, end, before = [], kernels[0][1], kernels[0][2]
-            for a, b, name in kernels[1:]:
-                if a > end:
-                    gaps.append((a - end, before, name))
-                if b >= end:
-                    end, before = b, name
             gaps.sort(key=lambda g: -g[0])
             sizes = [g[0] for g in gaps]
             print(f"idle gaps     {len(gaps)}: {sum(x for x in sizes if x >= 100) / 1e3:.1f} ms in "

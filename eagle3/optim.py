@@ -50,6 +50,7 @@ class AdamW(torch.optim.AdamW):
         factor, self.grad_factor = self.grad_factor, None
         for group in self.param_groups:
             b1, b2 = group["betas"]
+            hps = {}                                  # (step count, device) -> hp: one per group, as a rule
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -62,11 +63,13 @@ class AdamW(torch.optim.AdamW):
                     st["step"] = st["step"].cpu()
                 st["step"] += 1
                 t = float(st["step"])
-                hp = torch.tensor([group["lr"], b1, b2, group["eps"], group["weight_decay"],
-                                   1 - b1 ** t, (1 - b2 ** t) ** 0.5, 1.0], dtype=torch.float32)
-                hp = hp.to(p.device, non_blocking=True)
-                if factor is not None:
-                    hp[7] = factor
+                hp = hps.get((t, p.device))
+                if hp is None:
+                    hp = torch.tensor([group["lr"], b1, b2, group["eps"], group["weight_decay"],
+                                       1 - b1 ** t, (1 - b2 ** t) ** 0.5, 1.0], dtype=torch.float32)
+                    hp = hps[t, p.device] = hp.to(p.device, non_blocking=True)
+                    if factor is not None:
+                        hp[7] = factor
                 copy = None
                 if self.copy_dtype not in (None, p.dtype):
                     copy = kept_copy(p, self.copy_dtype)

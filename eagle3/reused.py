@@ -56,7 +56,7 @@ class _Sum:
     buf: Optional[torch.Tensor] = None      # the weight gradient summed over the uses so far
 
     def add_product(self, a: torch.Tensor, b: torch.Tensor) -> None:
-        """buf (+)= a @ b, in the compute dtype (the GEMM's own; autograd casts the sum once)."""
+        """buf (+)= a @ b, in the compute dtype (the GEMM's own; the cast's backward widens the sum once)."""
         if self.buf is None:
             self.buf = a @ b
         else:
