@@ -182,6 +182,12 @@ def main(cfg) -> None:
         with torch.no_grad():
             drafter.lm_head.weight.copy_(lm_head[vocab.draft_ids])
             drafter.norm.weight.copy_(load_final_norm(target_dir))
+    if mixed == "bf16" and ds_plugin is None:
+        # bf16 parameters, their fp32 masters in the optimizer's state (eagle3/optim.py): the
+        # forward reads the weights as they are and the gradients stay bf16 up to the step.
+        # DeepSpeed casts the model and keeps fp32 partitions itself; fp16 runs keep fp32
+        # parameters, since the loss scaler will not unscale fp16 gradients.
+        drafter.to(torch.bfloat16)
     lm_head = lm_head.to(device, compute_dtype)
     vocab = vocab.to(device)
     model = Objective(drafter, vocab, c.train.ttt_steps, c.train.step_decay)
@@ -194,11 +200,8 @@ def main(cfg) -> None:
             if p.requires_grad:
                 register_external_parameter(model, p)
     trainable = [p for p in drafter.parameters() if p.requires_grad]
-    # the step writes the weights' autocast copies for the forward (eagle3/optim.py); DeepSpeed
-    # steps its own flat partitions (and clips by itself): no copies there
-    autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed)
-    optimizer = adamw(trainable, c.optim.lr, c.optim.betas, c.optim.weight_decay,
-                      copy_dtype=autocast_dtype if ds_plugin is None else None)
+    # DeepSpeed steps its own flat fp32 partitions with it (and clips by itself)
+    optimizer = adamw(trainable, c.optim.lr, c.optim.betas, c.optim.weight_decay)
     per_rank = c.train.batch_size // world
     micro = c.train.micro_batch_size or per_rank
     if per_rank * world != c.train.batch_size or per_rank % micro:

@@ -11,9 +11,10 @@
 only, the library's default); `both` measures eager then compiled in one process, same dims, same
 seed. The warm-up line gives the warm-up steps' time, which includes compiling.
 
-Precision: fp32 = everything fp32; bf16 = fp32 master weights and AdamW states, compute under
-torch.autocast(bfloat16) (what accelerate's bf16 mixed precision does in train.py), features,
-target lm_head and the frozen embedding stored in bf16.
+Precision: fp32 = everything fp32; bf16 = as train.py: bf16 parameters (the frozen embedding too)
+with fp32 masters and moments in AdamW's state (eagle3/optim.py), compute under
+torch.autocast(bfloat16) (what accelerate's bf16 mixed precision does), features and the target
+lm_head stored in bf16.
 
 FLOP count (printed; MFU = FLOPs / step time / peak):
     P_layer = 2H*(nh + 2*nkv)*d + nh*d*H + 3*H*I      (q, k, v over 2H inputs; o; gate, up, down)
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import gc
 import resource
 import statistics
@@ -236,11 +238,10 @@ def measure(args, shape: DrafterShape, device, cdtype):
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     with torch.device(device):
-        model = Eagle3Drafter(shape)                          # fp32 master weights
-    model.embed_tokens.to(cdtype)                             # frozen: no master copy needed
+        model = Eagle3Drafter(shape)
+    model.to(cdtype)            # as train.py: bf16 parameters, their fp32 masters in opt's state
     trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = adamw(trainable, args.lr, (0.9, 0.95), 0.0,
-                copy_dtype=torch.bfloat16 if args.dtype == "bf16" else None)   # as train.py
+    opt = adamw(trainable, args.lr, (0.9, 0.95), 0.0)
     batch, head, vocab = synthetic_batch(shape, args.batch, args.seq, device, cdtype, gen)
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bf16"
                 else contextlib.nullcontext())
@@ -311,31 +312,31 @@ def measure(args, shape: DrafterShape, device, cdtype):
 
 def check_numerics(args, shape: DrafterShape, device, cdtype):
     """One forward + backward per mode on the same weights and batch: eager and compiled in the
-    compute dtype (autocast for bf16, as train.py runs) against eager fp32; relative errors of
-    the loss and relative L2 of all trainable gradients together (the tolerance docs/perf.md
-    states: loss 1e-5, gradients 2e-2 against fp32)."""
+    compute dtype (for bf16 as train.py runs: bf16 parameters under autocast) against eager fp32
+    on an fp32 copy of those same (bf16-rounded) weights; relative errors of the loss and
+    relative L2 of all trainable gradients together, in fp32 (the tolerance docs/perf.md states:
+    loss 1e-5, gradients 2e-2 against fp32)."""
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     with torch.device(device):
         model = Eagle3Drafter(shape)
+    model.to(cdtype)
+    reference = copy.deepcopy(model).float()
     batch, head, vocab = synthetic_batch(shape, args.batch, args.seq, device, torch.float32, gen)
-    trainable = [p for p in model.parameters() if p.requires_grad]
 
-    def run(dtype, compiled):
+    def run(m, dtype, compiled):
         fused.set_enabled(compiled)
         b = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in batch.items()}
         ctx = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
-        model.embed_tokens.to(dtype)
         with ctx:
-            out = ttt_loss(model, **b, target_lm_head=head.to(dtype), vocab=vocab, ttt_steps=args.ttt)
+            out = ttt_loss(m, **b, target_lm_head=head.to(dtype), vocab=vocab, ttt_steps=args.ttt)
         out.loss.backward()
-        grads = torch.cat([p.grad.flatten().float() for p in trainable])
-        model.zero_grad(set_to_none=True)
-        model.embed_tokens.float()
+        grads = torch.cat([p.grad.flatten().float() for p in m.parameters() if p.requires_grad])
+        m.zero_grad(set_to_none=True)
         return float(out.loss.detach()), grads
 
-    ref_loss, ref_grads = run(torch.float32, False)
-    results = {"eager": run(cdtype, False), "compiled": run(cdtype, True)}
+    ref_loss, ref_grads = run(reference, torch.float32, False)
+    results = {"eager": run(model, cdtype, False), "compiled": run(model, cdtype, True)}
     print(f"numerics      fp32 eager reference loss {ref_loss:.6f}, {ref_grads.numel() / 1e6:.1f}M gradients")
     for name, (loss, grads) in results.items():
         print(f"numerics      {args.dtype} {name:8s}: loss rel err {abs(loss - ref_loss) / abs(ref_loss):.2e}, "
@@ -343,34 +344,37 @@ def check_numerics(args, shape: DrafterShape, device, cdtype):
     (le, ge), (lc, gc_) = results["eager"], results["compiled"]
     print(f"numerics      compiled vs eager ({args.dtype}): loss rel {abs(lc - le) / abs(le):.2e}, "
           f"gradient rel L2 {float((gc_ - ge).norm() / ge.norm()):.2e}")
-    check_optimizer(trainable, ref_grads, args.clip, cdtype)
+    check_optimizer([p for p in reference.parameters() if p.requires_grad], ref_grads, args.clip, cdtype)
 
 
 def check_optimizer(params, grads: torch.Tensor, clip: float, cdtype, steps: int = 3):
-    """Our clipped AdamW step (compiled where eagle3/fused.py compiles) against clip_grad_norm_ +
-    torch's plain AdamW, on copies of the weights, with the gradients given (flat) and their
-    halves on alternate steps; and the copies it keeps against the weights' casts."""
-    from eagle3.reused import kept_copy
+    """Our clipped AdamW step (compiled where eagle3/fused.py compiles) on the weights in `cdtype`
+    (bf16: masters from their bf16 values) and the gradients given (flat) in `cdtype`, their
+    halves on alternate steps; against clip_grad_norm_ + torch's plain AdamW on fp32 weights of
+    the same values with the same gradient values in fp32. Prints the masters' (fp32: the
+    weights') max relative difference and how many weights differ from their master's cast."""
     fused.set_enabled(None)
-    ours = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    opt = adamw(ours, 1e-3, (0.9, 0.95), 0.01, copy_dtype=cdtype)
+    ours = [torch.nn.Parameter(p.detach().to(cdtype)) for p in params]
+    ref = [torch.nn.Parameter(p.detach().float()) for p in ours]
+    opt = adamw(ours, 1e-3, (0.9, 0.95), 0.01)
     ref_opt = torch.optim.AdamW(ref, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.01, foreach=False)
     for step in range(steps):
         g = grads * (1.0 if step % 2 == 0 else 0.5)
         for a, b in zip(ours, ref):
             n = a.numel()
-            a.grad, b.grad = g[:n].view_as(a).clone(), g[:n].view_as(b).clone()
+            a.grad = g[:n].view_as(a).to(cdtype)
+            b.grad = a.grad.float()
             g = g[n:]
         clip_grad_norm(opt, ours, clip)
         torch.nn.utils.clip_grad_norm_(ref, clip, foreach=False)
         opt.step()
         ref_opt.step()
-    diff = max(float((a - b).detach().abs().max() / b.detach().abs().max()) for a, b in zip(ours, ref))
-    stale = sum(not torch.equal(kept_copy(a, cdtype), a.detach().to(cdtype)) for a in ours
-                if cdtype != a.dtype)
+    masters = [opt.state[a].get("master", a).detach() for a in ours]    # fp32 weights: their own
+    diff = max(float((m - b).detach().abs().max() / b.detach().abs().max()) for m, b in zip(masters, ref))
+    unequal = sum(not torch.equal(a.detach(), m.to(a.dtype)) for a, m in zip(ours, masters))
     print(f"numerics      optimizer: {steps} clipped AdamW steps against torch's plain AdamW, "
-          f"max rel difference {diff:.2e}; kept copies not equal to the weights' casts: {stale}")
+          f"max rel difference {diff:.2e} ({'masters' if cdtype != torch.float32 else 'weights'}); "
+          f"weights not equal to their master's cast: {unequal} of {len(ours)}")
 
 
 def main():
