@@ -10,19 +10,17 @@ the first writing and the rest reading and writing the buffer, and nothing else.
 backward, which autograd runs only after every use's backward (it depends on all of them), hands
 the sum to the weight.
 
-The buffer is in the compute dtype, and the cast's backward widens the sum to the weight's dtype
-once, as a compiled kernel on a GPU (`_widen`: torch's own cast of those gradients ran at about
-1.8 TB/s, 3.9 ms of a Kimi-size step on an H200). (Having cuBLAS write and sum fp32 itself,
-`out_dtype`, made those GEMMs 4.1 ms slower, as much as the casts it saves: docs/perf.md.)
-
-The cast itself is skipped where the optimizer already wrote the weight in the compute dtype
-(`keep_copy`, eagle3/optim.AdamW): a copy counts only while the weight's version counter is the one
-it was written at, so any other change to the weight (a loaded checkpoint, an in-place edit) makes
-`reuse` cast again instead of reading a stale copy.
+The buffer is in the compute dtype. Under bf16 mixed precision the weights are bf16 themselves
+(train.py; their fp32 masters live in eagle3/optim.AdamW's state), so the cast is a view and the
+sum is the weight's gradient as it is. An fp32 weight under autocast (an fp16 run) gets the sum
+widened to fp32 once, as a compiled kernel on a GPU (`_widen`: torch's own cast of those
+gradients ran at about 1.8 TB/s, 3.9 ms of a Kimi-size step on an H200). (Having cuBLAS write and
+sum fp32 itself, `out_dtype`, made those GEMMs 4.1 ms slower, as much as the casts it saves:
+docs/perf.md.)
 
 Same math as F.linear everywhere; the sum is only rounded differently (once per GEMM into the
 buffer's dtype). tests/test_loss.py checks every gradient of the unrolled loss against a naive
-reference in float64, tests/test_fused.py against F.linear, tests/test_optim.py the copies.
+reference in float64, tests/test_fused.py against F.linear.
 """
 from __future__ import annotations
 
@@ -31,32 +29,23 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from torch.utils.weak import WeakIdKeyDictionary
 
 from eagle3.fused import fused
-
-_COPIES: WeakIdKeyDictionary = WeakIdKeyDictionary()     # weight -> (its copy, weight._version then)
-
-
-def keep_copy(weight: torch.Tensor, copy: torch.Tensor) -> None:
-    """copy == weight.to(copy.dtype) now: `reuse` may read it until the weight changes."""
-    _COPIES[weight] = (copy, weight._version)
-
-
-def kept_copy(weight: torch.Tensor, dtype: torch.dtype) -> Optional[torch.Tensor]:
-    """The weight's kept copy in `dtype` if it is still current, else None."""
-    kept = _COPIES.get(weight)
-    if kept is None or kept[0].dtype != dtype or kept[1] != weight._version:
-        return None
-    return kept[0]
 
 
 @dataclass
 class _Sum:
     buf: Optional[torch.Tensor] = None      # the weight gradient summed over the uses so far
 
+    def add_window(self, shape: torch.Size, start: int, g: torch.Tensor) -> None:
+        """buf[:, start:start + len] (+)= g, buf [B, L, ..] of `shape` (zeros before the first)."""
+        if self.buf is None:
+            self.buf = g.new_zeros(shape)
+        self.buf[:, start:start + g.shape[1]].add_(g)     # (`+=` on a slice would copy it back too)
+
     def add_product(self, a: torch.Tensor, b: torch.Tensor) -> None:
-        """buf (+)= a @ b, in the compute dtype (the GEMM's own; the cast's backward widens the sum once)."""
+        """buf (+)= a @ b, in the compute dtype (the GEMM's own; the cast's backward widens the sum once
+        where the weight is wider)."""
         if self.buf is None:
             self.buf = a @ b
         else:
@@ -65,7 +54,8 @@ class _Sum:
 
 @dataclass
 class Reused:
-    """A weight in the compute dtype for one unroll, and its uses' gradient sum."""
+    """A weight in the compute dtype for one unroll (or an activation every TTT step reads a window
+    of, `shared`), and its uses' gradient sum."""
     weight: torch.Tensor
     grad: _Sum
 
@@ -81,10 +71,7 @@ class _Cast(torch.autograd.Function):
     def forward(ctx, w, dtype, total):
         ctx.total, ctx.weight_dtype = total, w.dtype
         ctx.set_materialize_grads(False)     # the uses return no weight gradient: nothing to fill
-        if w.dtype == dtype:
-            return w.view_as(w)
-        kept = kept_copy(w, dtype)
-        return kept.view_as(kept) if kept is not None else w.to(dtype)
+        return w.view_as(w) if w.dtype == dtype else w.to(dtype)
 
     @staticmethod
     def backward(ctx, g):
@@ -117,6 +104,32 @@ def reuse(weight: torch.Tensor, dtype: torch.dtype) -> Reused:
     """weight (a parameter) in `dtype` for one unroll; every use must go through `linear`."""
     total = _Sum()
     return Reused(_Cast.apply(weight, dtype, total), total)
+
+
+class _WindowAdd(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, y, start, total):
+        ctx.shape, ctx.start, ctx.total = x.shape, start, total
+        return x[:, start:start + y.shape[1]] + y
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.total.add_window(ctx.shape, ctx.start, g)
+        return None, g, None, None
+
+
+def shared(x: torch.Tensor) -> Reused:
+    """x [B, L, ..], of which every TTT step reads a window of rows through `add_window`."""
+    total = _Sum()
+    return Reused(_Cast.apply(x, x.dtype, total), total)
+
+
+def add_window(x: Reused, start: int, y: torch.Tensor) -> torch.Tensor:
+    """x.weight[:, start:start + T] + y for y [B, T, ..]. Its gradient goes into ONE buffer of x's
+    shape for all windows; autograd would give each window's use a zero-filled x-sized gradient
+    and add those up (the tokens' q/k/v part, [B, T+S-1, N]: about 1 ms of a Kimi-size step on an
+    H200, docs/perf.md)."""
+    return _WindowAdd.apply(x.weight, y, start, x.grad)
 
 
 def linear(x: torch.Tensor, w: Reused) -> torch.Tensor:
