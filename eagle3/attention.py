@@ -72,7 +72,19 @@ def _masked_scores(q, k, causal, scale):
     return s
 
 
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """[B, n, T, ...] <-> [B, T, n, ...] (a view)."""
+    return x.transpose(1, 2)
+
+
 class _Attention(torch.autograd.Function):
+    """The merge runs on [B, T, n, d] views (`_rows`): flash attention keeps its out and reads its
+    gradients in that memory layout (its [B, n, T, d] tensors are transposed views of it), and so
+    do rope's output and the o projection's input. Merging in [B, n, T, d] memory instead made
+    flash's wrapper, the o projection and the compiled rope backward each copy out or dOut into
+    the other layout: 40 copies per unroll, about 1.9 ms of a Kimi-size step on an H200
+    (docs/perf.md)."""
+
     @staticmethod
     def forward(ctx, q, k, v, *extra):
         """q [B, n, Tq, d]; k, v [B, n, Tk, d], Tk >= Tq; extra: S keys then S values
@@ -84,39 +96,42 @@ class _Attention(torch.autograd.Function):
         outs, lses, states = [], [], []
         for a, b, causal in blocks:
             o, lse, st = _block_forward(q, k[:, :, a:b], v[:, :, a:b], causal, scale)
-            outs, lses, states = outs + [o], lses + [lse], states + [st]
-        out, lse = _merge(q, lses, outs, list(extra[:S]), list(extra[S:]), scale)
+            outs, lses, states = outs + [_rows(o)], lses + [_rows(lse)], states + [st]
+        out, lse = _merge(_rows(q), lses, outs, [_rows(x) for x in extra[:S]],
+                          [_rows(x) for x in extra[S:]], scale)
         ctx.save_for_backward(q, k, v, out, lse, *lses, *extra)
         ctx.blocks, ctx.states, ctx.S, ctx.scale = blocks, states, S, scale
-        return out
+        return _rows(out)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, *rest = ctx.saved_tensors
         nb, S, scale = len(ctx.blocks), ctx.S, ctx.scale
         lses, ek, ev = rest[:nb], rest[nb:nb + S], rest[nb + S:]
-        dout = dout.contiguous()
+        dout = _rows(dout)
+        if dout.stride(-1) != 1:
+            dout = dout.contiguous()
         dqs, dk, dv = [], [], []
-        for (a, b, causal), l, st, g in zip(ctx.blocks, lses, ctx.states,
-                                            _merge_grads(dout, lse, list(lses))):
-            dqb, dkb, dvb = _block_backward(g, q, k[:, :, a:b], v[:, :, a:b], out, l, causal,
-                                            scale, st)
-            dqs, dk, dv = dqs + [dqb], dk + [dkb], dv + [dvb]
-        dq, dek, dev = _merge_backward(dout, out, q, lse, dqs, list(ek), list(ev), scale)
-        return (dq, torch.cat(dk, 2) if nb > 1 else dk[0],
-                torch.cat(dv, 2) if nb > 1 else dv[0], *dek, *dev)
+        for (a, b, causal), l, st, g in zip(ctx.blocks, lses, ctx.states, _merge_grads(dout, lse, list(lses))):
+            dqb, dkb, dvb = _block_backward(_rows(g), q, k[:, :, a:b], v[:, :, a:b], _rows(out),
+                                            _rows(l), causal, scale, st)
+            dqs, dk, dv = dqs + [_rows(dqb)], dk + [dkb], dv + [dvb]
+        dq, dek, dev = _merge_backward(dout, out, _rows(q), lse, dqs, [_rows(x) for x in ek],
+                                       [_rows(x) for x in ev], scale)
+        return (_rows(dq), torch.cat(dk, 2) if nb > 1 else dk[0],
+                torch.cat(dv, 2) if nb > 1 else dv[0], *map(_rows, dek), *map(_rows, dev))
 
 
 # The merge's elementwise work, fused on a GPU (eagle3/fused.py): all in (at least) fp32 over
-# [B, n, Tq, d], one kernel instead of an fp32 copy per operand and per op.
+# [B, Tq, n, d], one kernel instead of an fp32 copy per operand and per op.
 @fused
 def _merge(q, lses, outs, eks, evs, scale: float):
-    """Blocks' (lse [B, n, Tq], out [B, n, Tq, d]) and the own keys/values eks, evs [B, n, Tq, d]
-    -> (out [B, n, Tq, d] in q's dtype, lse [B, n, Tq] fp32+) of the softmax over all of them."""
+    """Blocks' (lse [B, Tq, n], out [B, Tq, n, d]) and the own keys/values eks, evs [B, Tq, n, d]
+    -> (out [B, Tq, n, d] in q's dtype, lse [B, Tq, n] fp32+) of the softmax over all of them."""
     f = at_least_fp32(q.dtype)
     qf = q.to(f)
-    own = [(qf * ek.to(f)).sum(-1) * scale for ek in eks]                  # S x [B, n, Tq]
-    lse = torch.stack(lses + own, -1).logsumexp(-1)                        # [B, n, Tq]
+    own = [(qf * ek.to(f)).sum(-1) * scale for ek in eks]                  # S x [B, Tq, n]
+    lse = torch.stack(lses + own, -1).logsumexp(-1)                        # [B, Tq, n]
     out = sum((l - lse).exp()[..., None] * o.to(f) for l, o in zip(lses, outs))
     out = out + sum((s - lse).exp()[..., None] * ev.to(f) for s, ev in zip(own, evs))
     return out.to(q.dtype), lse
@@ -131,14 +146,14 @@ def _merge_grads(dout, lse, lses):
 
 @fused
 def _merge_backward(dout, out, q, lse, dqs, eks, evs, scale: float):
-    """dqs: the blocks' dq -> (dq, dks, dvs of the own keys/values), dq summed in fp32+."""
+    """dqs: the blocks' dq -> (dq, dks, dvs of the own keys/values), dq summed in fp32+. All [B, Tq, n, ..]."""
     f = lse.dtype
     qf, df = q.to(f), dout.to(f)
-    dsum = (df * out.to(f)).sum(-1)                                        # D [B, n, Tq]
+    dsum = (df * out.to(f)).sum(-1)                                        # D [B, Tq, n]
     dq = sum(d.to(f) for d in dqs)
     dek, dev = [], []
     for kr, vr in zip(eks, evs):
-        p = ((qf * kr.to(f)).sum(-1) * scale - lse).exp()                    # [B, n, Tq]
+        p = ((qf * kr.to(f)).sum(-1) * scale - lse).exp()                    # [B, Tq, n]
         ds = p * ((df * vr.to(f)).sum(-1) - dsum)
         dq = dq + scale * ds[..., None] * kr.to(f)
         dek.append((scale * ds[..., None] * qf).to(kr.dtype))

@@ -172,7 +172,8 @@ def ttt_loss(drafter: Eagle3Drafter, input_ids: torch.Tensor, loss_mask: torch.T
     draft_ids = vocab.draft_ids.to(dev)
     p, top = teacher if teacher is not None else target_teacher(final, target_lm_head, draft_ids)
     t2d = vocab.t2d.to(dev)
-    positions = torch.arange(T, device=dev).expand(B, T)
+    # RoPE: step s at row t is at position t+s (see the module doc): angles once for all steps
+    cos, sin = drafter.rope_angles(torch.arange(T - 1 + ttt_steps, device=dev).expand(B, -1))
 
     # step s at row t reads token x_{t+1+s} (0 past the end, never counted): rows s..s+T-1 of
     # ext; the embedding's part of q/k/v is projected once for all steps.
@@ -182,29 +183,33 @@ def ttt_loss(drafter: Eagle3Drafter, input_ids: torch.Tensor, loss_mask: torch.T
     p_rows = p.reshape(B * T, -1)
     top_rows = top.reshape(B * T)
 
+    # Rows to count are data, and shapes follow them: their number reaches the host without a
+    # wait (CountedRows). All steps of the layer are queued before the host needs it, so the GPU
+    # is never left idle while the host waits: the heads (lm_head, loss) follow once per step.
+    counted = CountedRows(loss_mask, real, top, t2d, ttt_steps)
     h = drafter.project(aux)
-    keys, extra = None, ([], [])
-    total = h.sum() * 0.0        # stays in the graph, so backward() works when nothing is counted
+    keys, extra, hs = None, ([], []), []
+    for s in range(ttt_steps):
+        h, k, v = drafter.layer(e_qkv, h, (cos[:, s:s + T], sin[:, s:s + T]), w, keys,
+                                extra if s else None, start=s)
+        if s == 0:
+            keys = (k, v)                               # step-0 keys: seen causally by every step
+        else:
+            extra[0].append(k)                          # later steps' keys: each row its own
+            extra[1].append(v)
+        hs.append(h)
+
+    total = hs[0].sum() * 0.0    # stays in the graph, so backward() works when nothing is counted
     step_loss = torch.zeros(ttt_steps, device=dev)
     correct = torch.zeros(ttt_steps, dtype=torch.int64, device=dev)
     count = torch.zeros(ttt_steps, dtype=torch.int64, device=dev)
     accepted = torch.zeros(ttt_steps, dtype=torch.int64, device=dev)
     alive = (loss_mask.bool() & real)[:, 2:]                # [B, T-2]: chains start at every assistant token
     chained = alive.sum()
-    counted = all_counted_rows(loss_mask, real, top, t2d, ttt_steps)
-    for s in range(ttt_steps):
-        h, k, v = drafter.layer(e_qkv[:, s:s + T], h, positions + s, w, keys,
-                                extra if s else None)
-        if s == 0:
-            keys = (k, v)                               # step-0 keys: seen causally by every step
-        else:
-            extra[0].append(k)                          # later steps' keys: each row its own
-            extra[1].append(v)
-        n = T - 2 - s                                   # rows whose predicted token x_{t+2+s} exists
-        if n <= 0:
+    for s, (h, (b, t)) in enumerate(zip(hs, counted.rows())):
+        if T - 2 - s <= 0:                              # no row's predicted token x_{t+2+s} exists
             alive = torch.zeros_like(alive)
             continue
-        b, t = counted[s]
         num = len(b)
         rows = b * T + t                                                   # [N] into B*T rows
         logits = drafter.logits(h.reshape(B * T, -1)[rows], w)            # [N, Vd]
@@ -224,18 +229,44 @@ def ttt_loss(drafter: Eagle3Drafter, input_ids: torch.Tensor, loss_mask: torch.T
                      chained=chained)
 
 
-def all_counted_rows(loss_mask: torch.Tensor, attention_mask: torch.Tensor, top: torch.Tensor,
-                     t2d: torch.Tensor, ttt_steps: int) -> List[Tuple[torch.Tensor, torch.Tensor]]:
-    """For each TTT step s, the (batch, row) indices of counted_rows(..., s). Found for all steps
-    at once: the number of rows is data, so the host waits for the device once per unroll, not
-    once per step (each wait leaves the GPU idle until the host has queued work again)."""
-    B, T = top.shape
-    every = torch.zeros(ttt_steps, B, max(T - 2, 0), dtype=torch.bool, device=top.device)
-    for s in range(min(ttt_steps, max(T - 2, 0))):
-        every[s, :, :T - 2 - s] = counted_rows(loss_mask, attention_mask, top, t2d, s)
-    _, b, t = every.nonzero(as_tuple=True)                  # step-major: split by the steps' counts
-    sizes = every.sum((1, 2)).tolist()
-    return list(zip(b.split(sizes), t.split(sizes)))
+class CountedRows:
+    """For each TTT step s, the (batch, row) indices of counted_rows(..., s), found for all steps
+    at once and on the device; `rows()` hands them out split by step.
+
+    The number of rows is data, so the host must learn it before it can shape the heads' work.
+    Asking for it (`nonzero`, `.tolist()`) makes the host wait until the GPU has run everything
+    queued so far, after which the GPU idles until the host queues more: 2.3 ms of a Kimi-size
+    step on an H200 in one such wait (docs/perf.md). Here the indices come from a stable sort (no
+    wait) and the per-step counts are copied to pinned host memory as soon as they exist, with an
+    event; `rows()` waits only for that event, which by then has long passed."""
+
+    def __init__(self, loss_mask: torch.Tensor, attention_mask: torch.Tensor, top: torch.Tensor,
+                 t2d: torch.Tensor, ttt_steps: int):
+        B, T = top.shape
+        n = max(T - 2, 0)
+        every = torch.zeros(ttt_steps, B, n, dtype=torch.bool, device=top.device)
+        for s in range(min(ttt_steps, n)):
+            every[s, :, :T - 2 - s] = counted_rows(loss_mask, attention_mask, top, t2d, s)
+        # counted entries first, each in its (step, batch, row) order: step-major, split by counts
+        order = torch.sort((~every).flatten().to(torch.uint8), stable=True).indices
+        self.b, self.t = order.div(max(n, 1), rounding_mode="floor") % B, order % max(n, 1)
+        sizes = every.sum((1, 2))
+        self.event = None
+        if sizes.is_cuda:
+            self.sizes = torch.empty(sizes.shape, dtype=sizes.dtype, pin_memory=True)
+            self.sizes.copy_(sizes, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.sizes = sizes
+
+    def rows(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        """[(b, t)] per step: int64 [N_s] each."""
+        if self.event is not None:
+            self.event.synchronize()
+        sizes = self.sizes.tolist()
+        end = sum(sizes)
+        return list(zip(self.b[:end].split(sizes), self.t[:end].split(sizes)))
 
 
 def counted_rows(loss_mask: torch.Tensor, attention_mask: torch.Tensor, top: torch.Tensor,

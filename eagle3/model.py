@@ -33,7 +33,7 @@ from torch import nn
 
 from eagle3.attention import at_least_fp32, attend
 from eagle3.fused import fused
-from eagle3.reused import Reused, linear, reuse
+from eagle3.reused import Reused, add_window, linear, reuse, shared
 
 
 @dataclass
@@ -154,11 +154,16 @@ def rope_angles(positions: torch.Tensor, d: int, theta: float, dtype: torch.dtyp
     return angles.cos(), angles.sin()
 
 
+# q and k in one call (one kernel each way on a GPU): each compiled call costs the host 0.1-0.4 ms,
+# and the forward waits for the host in places (docs/perf.md).
 @fused
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Llama (NeoX-style, rotate-half) rotary embedding. x [B, T, n, d]; cos, sin from rope_angles."""
-    x1, x2 = x.to(cos.dtype).chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Llama (NeoX-style, rotate-half) rotary embedding of q [B, T, nh, d] and k [B, T, nkv, d];
+    cos, sin from rope_angles."""
+    def rotate(x):
+        x1, x2 = x.to(cos.dtype).chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    return rotate(q), rotate(k)
 
 
 @dataclass
@@ -168,8 +173,7 @@ class UnrollWeights:
     q/k/v are fused ([nh*d + 2*nkv*d] output rows) and split by input columns: `embed` [N, H] reads
     input_layernorm(embed(x)) and is used once for all TTT steps; `hidden` reads hidden_norm(h).
     It and the others serve every TTT step, so their gradients are summed inside the GEMMs
-    (eagle3/reused.py); `embed` goes the same way for its one use, so that no weight is cast where
-    the optimizer kept a copy in the compute dtype."""
+    (eagle3/reused.py); `embed` goes the same way for its one use."""
     embed: Reused
     hidden: Reused
     o: Reused
@@ -237,8 +241,9 @@ class Attention(nn.Module):
         sd[prefix + "qkv_hidden"] = torch.cat([w[:, H:] for w in ws])
         return sd
 
-    def forward(self, qkv, positions, o: Reused, keys=None, extra=None):
-        """qkv [B, T, nh*d + 2*nkv*d] (projected, not rotated) -> (out [B, T, H], k, v
+    def forward(self, qkv, angles, o: Reused, keys=None, extra=None):
+        """qkv [B, T, nh*d + 2*nkv*d] (projected, not rotated), angles: rope_angles (cos, sin) of
+        the rows' positions -> (out [B, T, H], k, v
         [B, nkv, T, d]: this call's rotated keys and values). keys: (k, v) [B, nkv, P, d] seen
         before this call's rows (a KV cache); extra: TTT step s >= 1: (keys, values) of steps
         1..s-1 of the same rows, `keys` then being their step-0 keys; this call's own keys join
@@ -247,9 +252,8 @@ class Attention(nn.Module):
         q, k, v = qkv.split(self._split_rows(), dim=-1)
         # rotated in [B, T, n, d] and only then viewed as [B, n, T, d]: rope writes the memory
         # layout flash attention reads, so no layout copy of q and k precedes it
-        cos, sin = rope_angles(positions, self.d, self.theta, q.dtype)
-        q = rope(q.view(B, T, self.nh, self.d), cos, sin).transpose(1, 2)
-        k = rope(k.view(B, T, self.nkv, self.d), cos, sin).transpose(1, 2)
+        q, k = rope(q.view(B, T, self.nh, self.d), k.view(B, T, self.nkv, self.d), *angles)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.view(B, T, self.nkv, self.d).transpose(1, 2)
         if extra is not None:
             out = attend(q, keys[0], keys[1], [*extra[0], k], [*extra[1], v])
@@ -287,15 +291,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.mlp = MLP(s)
 
-    def embed_qkv(self, embeds, w: UnrollWeights):
-        """[B, T, H] token embeddings -> [B, T, N]: their part of q/k/v. q/k/v read
+    def embed_qkv(self, embeds, w: UnrollWeights) -> Reused:
+        """[B, L, H] token embeddings -> [B, L, N]: their part of q/k/v. q/k/v read
         cat[input_layernorm(embed), hidden_norm(h)], so W @ a = W_embed @ e + W_hidden @ h; TTT
-        step s at row t reads the embedding of row t+s+1, so one projection serves all steps."""
-        return linear(self.input_layernorm(embeds), w.embed)
+        step s at row t reads the embedding of row t+s+1, so one projection serves all steps,
+        each reading its window of rows (`add_window`)."""
+        return shared(linear(self.input_layernorm(embeds), w.embed))
 
-    def forward(self, e_qkv, h, positions, w: UnrollWeights, keys=None, extra=None):
-        qkv = e_qkv + linear(self.hidden_norm(h), w.hidden)
-        attn, k, v = self.self_attn(qkv, positions, w.o, keys, extra)
+    def forward(self, e_qkv: Reused, h, angles, w: UnrollWeights, keys=None, extra=None, start: int = 0):
+        qkv = add_window(e_qkv, start, linear(self.hidden_norm(h), w.hidden))   # rows start.. of e_qkv
+        attn, k, v = self.self_attn(qkv, angles, w.o, keys, extra)
         h = h + attn                                  # residual is the un-normed input hidden
         h = h + self.mlp(self.post_attention_layernorm(h), w)
         return h, k, v
@@ -359,15 +364,21 @@ class Eagle3Drafter(nn.Module):
                              up=reuse(mlp.up_proj.weight, dt), down=reuse(mlp.down_proj.weight, dt),
                              lm_head=reuse(self.lm_head.weight, dt))
 
-    def embed_qkv(self, input_ids: torch.Tensor, w: UnrollWeights) -> torch.Tensor:
-        """input_ids [B, T] -> [B, T, N]: the tokens' part of q/k/v (see DecoderLayer.embed_qkv)."""
+    def embed_qkv(self, input_ids: torch.Tensor, w: UnrollWeights) -> Reused:
+        """input_ids [B, L] -> [B, L, N]: the tokens' part of q/k/v (see DecoderLayer.embed_qkv)."""
         return self.midlayer.embed_qkv(self.embed_tokens(input_ids), w)
 
-    def layer(self, e_qkv, h, positions, w: UnrollWeights, keys=None, extra=None):
-        """One drafter step over rows: e_qkv [B, T, N] (embed_qkv of the rows' tokens), h [B, T, H],
-        positions [B, T]; keys, extra as Attention.forward. Returns (h_out [B, T, H] pre-norm,
-        k, v [B, nkv, T, d] of this call)."""
-        return self.midlayer(e_qkv, h, positions, w, keys, extra)
+    def rope_angles(self, positions: torch.Tensor):
+        """positions [B, T] -> rope_angles (cos, sin) [B, T, 1, d/2] in (at least) fp32, for `layer`.
+        TTT computes them once for all steps and slices them (step s: positions + s)."""
+        a = self.midlayer.self_attn
+        return rope_angles(positions, a.d, a.theta, self._compute_dtype())
+
+    def layer(self, e_qkv: Reused, h, angles, w: UnrollWeights, keys=None, extra=None, start: int = 0):
+        """One drafter step over rows: e_qkv (embed_qkv of [B, L] tokens; the rows read its rows
+        start..start+T-1), h [B, T, H], angles: rope_angles of the rows' positions [B, T]; keys, extra
+        as Attention.forward. Returns (h_out [B, T, H] pre-norm, k, v [B, nkv, T, d] of this call)."""
+        return self.midlayer(e_qkv, h, angles, w, keys, extra, start)
 
     def logits(self, h_out: torch.Tensor, w: UnrollWeights) -> torch.Tensor:
         """[.., H] pre-norm hidden -> [.., Vd] draft-vocab logits."""
@@ -382,7 +393,8 @@ class Eagle3Drafter(nn.Module):
         B, T = input_ids.shape
         positions = torch.arange(T, device=input_ids.device).expand(B, T)
         w = self.weights()
-        h_out, _, _ = self.layer(self.embed_qkv(input_ids, w), self.project(aux), positions, w)
+        h_out, _, _ = self.layer(self.embed_qkv(input_ids, w), self.project(aux),
+                                 self.rope_angles(positions), w)
         return self.logits(h_out, w), h_out
 
     def forward_step(self, input_ids, h, positions, cache: DraftKVCache):
@@ -392,7 +404,7 @@ class Eagle3Drafter(nn.Module):
         Returns (logits [B, Tq, Vd], h_out [B, Tq, H])."""
         w = self.weights()
         keys = None if cache.k is None else (cache.k, cache.v)
-        h_out, k, v = self.layer(self.embed_qkv(input_ids, w), h, positions, w, keys)
+        h_out, k, v = self.layer(self.embed_qkv(input_ids, w), h, self.rope_angles(positions), w, keys)
         cache.append(k, v)
         return self.logits(h_out, w), h_out
 

@@ -68,11 +68,14 @@ def test_differentiable_functions(compiled, dtype):
     close(ge[0], gc[0], dtype)
     close(ge[1].float(), gc[1].float(), dtype)
 
-    q = rand(2, 5, 3, 16, dtype=dtype, grad=True)                 # [B, T, n, d]
+    q = rand(2, 5, 3, 16, dtype=dtype, grad=True)                 # [B, T, nh, d]
+    k = rand(2, 5, 1, 16, dtype=dtype, grad=True)                 # [B, T, nkv, d]
     positions = torch.arange(5).expand(2, 5) + 3
-    (ye, ge), (yc, gc) = eager_and_compiled(rope, q, *rope_angles(positions, 16, 1000.0, dtype))
+    both = lambda *a: torch.cat([x.flatten() for x in rope(*a)])  # noqa: E731
+    (ye, ge), (yc, gc) = eager_and_compiled(both, q, k, *rope_angles(positions, 16, 1000.0, dtype))
     close(ye, yc, dtype)
     close(ge[0], gc[0], dtype)
+    close(ge[1], gc[1], dtype)
 
     (ye, ge), (yc, gc) = eager_and_compiled(silu_mul, rand(2, 5, 24, dtype=dtype, grad=True),
                                             rand(2, 5, 24, dtype=dtype, grad=True))
@@ -161,6 +164,27 @@ def test_reused_weight_sums_its_uses_gradients_like_autograd():
     assert grads_got[0].dtype == torch.float64
     for a, b in zip(grads_got, grads_want):
         torch.testing.assert_close(a, b.to(a.dtype), rtol=1e-5, atol=1e-5)
+
+
+def test_shared_rows_sum_their_windows_gradients_like_autograd():
+    """eagle3.reused.add_window: windows of one tensor read by several steps (overlapping, one
+    window's output unused) give the values and gradients that plain slicing gives."""
+    from eagle3.reused import add_window, shared
+    torch.manual_seed(0)
+    x = torch.randn(2, 9, 3, dtype=torch.float64, requires_grad=True)
+    ys = [torch.randn(2, 5, 3, dtype=torch.float64, requires_grad=True) for _ in range(4)]
+    g = torch.randn(4, 2, 5, 3, dtype=torch.float64)
+
+    def run(window):
+        outs = [window(s, y) for s, y in enumerate(ys)]
+        loss = sum((o * g[s]).sum() for s, o in enumerate(outs[:3]))       # outs[3] is not used
+        return outs, torch.autograd.grad(loss, [x, *ys[:3]])
+
+    sx = shared(x)
+    got = run(lambda s, y: add_window(sx, s, y))
+    want = run(lambda s, y: x[:, s:s + 5] + y)
+    for a, b in zip(got[0] + list(got[1]), want[0] + list(want[1])):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 
 
 def test_widened_gradient_and_teacher_compiled_match_eager(compiled):

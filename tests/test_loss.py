@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from eagle3.loss import target_teacher, ttt_loss, ttt_mask
+from eagle3.loss import CountedRows, counted_rows, target_teacher, ttt_loss, ttt_mask
 from eagle3.model import DraftKVCache, DrafterShape, Eagle3Drafter
 from eagle3.vocab import build_vocab
 
@@ -233,6 +233,23 @@ def test_nothing_counted_gives_zero_loss_and_finite_grads():
     g = grads(d, out.loss)
     assert out.loss.item() == 0.0 and out.count.tolist() == [0, 0, 0] and out.acc == [0.0] * 3
     assert all(torch.isfinite(v).all() and v.abs().sum() == 0 for v in g.values())
+
+
+@pytest.mark.parametrize("B, T", [(3, 17), (2, 4), (1, 2)])
+def test_counted_rows_split_by_step_equal_each_steps_nonzero(B, T):
+    """CountedRows finds all steps' rows by one stable sort; each step's (b, t) must be exactly
+    its own mask's nonzero(), in order (the heads gather rows and teacher rows by them)."""
+    g = torch.Generator().manual_seed(B * 100 + T)
+    loss_mask = torch.rand(B, T, generator=g) < 0.7
+    attention_mask = torch.rand(B, T, generator=g) < 0.9
+    top = torch.randint(0, 50, (B, T), generator=g)
+    t2d = torch.rand(50, generator=g) < 0.6
+    got = CountedRows(loss_mask, attention_mask, top, t2d, 7).rows()
+    assert len(got) == 7
+    for s, (b, t) in enumerate(got):
+        want = (counted_rows(loss_mask, attention_mask, top, t2d, s).nonzero(as_tuple=True)
+                if T - 2 - s > 0 else (torch.zeros(0, dtype=torch.int64),) * 2)
+        assert torch.equal(b, want[0]) and torch.equal(t, want[1]), s
 
 
 @pytest.mark.parametrize("steps", [1, 7])
