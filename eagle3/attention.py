@@ -1,13 +1,13 @@
 """THE attention of this project, `attend`, for training-time test and cached inference.
 
 A query row sees a causal block of keys and, in TTT, S more keys of its own (its keys of the later
-draft steps). The causal block runs as flash attention (no [T, T] scores in memory; the CPU has its
-own flash kernel); the S own keys are S dot products per row, merged with the block by
-log-sum-exp. This replaces one SDPA over [K_0 | K_1 .. K_s] with a dense [T, (s+1)T] mask, which
+draft steps). The causal block runs as a fused attention kernel (no [T, T] scores in memory):
+cuDNN's on a GPU, torch's flash kernel on the CPU; the S own keys are S dot products per row,
+merged with the block by log-sum-exp. This replaces one SDPA over [K_0 | K_1 .. K_s] with a dense [T, (s+1)T] mask, which
 scored s*T*T keys to use s*T.
 
 Backward without a gradient through the block's log-sum-exp: for merged probabilities
-P = w * P_block (w = exp(lse_block - lse)), the flash backward given grad_out' = w * dOut and the
+P = w * P_block (w = exp(lse_block - lse)), the kernel's backward given grad_out' = w * dOut and the
 MERGED output computes dS = P_block * (w dOut.v - w dOut.out) = P * (dOut.v - D), exactly the
 merged softmax's gradient (D = dOut.out), and dV = P_block^T (w dOut) = P^T dOut.
 """
@@ -22,27 +22,34 @@ def at_least_fp32(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _flash_backend(q: torch.Tensor) -> str:
+def _backend(q: torch.Tensor) -> str:
     if q.device.type == "cpu":
         return "cpu"
     if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16):
         return "cuda"
-    return "math"                              # e.g. fp32 on a GPU: flash kernels need 16-bit
+    return "math"                              # e.g. fp32 on a GPU: the fused kernels need 16-bit
+
+
+# On a GPU, cuDNN's fused attention rather than torch's flash attention (FA2): on an H200 at the
+# Kimi-size drafter's 64 x 128 heads, forward + backward of one causal block took 0.64 against
+# 1.06 ms at 2048 rows and 1.94 against 3.46 ms at 4096 (bench/attention_speed.py, which also
+# checks that both backwards agree given the same out and lse, as `_Attention` feeds them).
+# Its lse is [B, n, Tq, 1]; both keep out in [B, Tq, n, d] memory.
 
 
 def _block_forward(q, k, v, causal: bool, scale: float):
     """softmax(q k^T * scale) v over one block of keys (causal: query i sees keys j <= i; the
     block is square then). q [B, n, Tq, d]; k, v [B, n, Tk, d] -> (out [B, n, Tq, d],
     lse [B, n, Tq] fp32+, state for _block_backward)."""
-    backend = _flash_backend(q)
+    backend = _backend(q)
     if backend == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, scale=scale)
         return out, lse, None
     if backend == "cuda":
-        out, lse, cq, ck, mq, mk, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
-            q, k, v, 0.0, causal, False, scale=scale)
-        return out, lse, (cq, ck, mq, mk, seed, offset)
+        out, lse, cq, ck, mq, mk, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, causal, False, scale=scale)
+        return out, lse[..., 0], (cq, ck, mq, mk, seed, offset)
     scores = _masked_scores(q, k, causal, scale)
     lse = scores.logsumexp(-1)
     return (scores - lse[..., None]).exp().to(v.dtype) @ v, lse, None
@@ -50,14 +57,14 @@ def _block_forward(q, k, v, causal: bool, scale: float):
 
 def _block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, state):
     """(dq, dk, dv) of one block given `out` and `lse` (see the note above on what they are)."""
-    backend = _flash_backend(q)
+    backend = _backend(q)
     if backend == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal, scale=scale)
     if backend == "cuda":
         cq, ck, mq, mk, seed, offset = state
-        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            dout, q, k, v, out, lse, cq, ck, mq, mk, 0.0, causal, seed, offset, scale=scale)
+        return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            dout, q, k, v, out, lse[..., None], seed, offset, None, cq, ck, mq, mk, 0.0, causal, scale=scale)
     p = (_masked_scores(q, k, causal, scale) - lse[..., None]).exp()          # [B, n, Tq, Tk]
     dsum = (dout * out).sum(-1, keepdim=True)
     ds = p * (dout @ v.transpose(-1, -2) - dsum)
@@ -78,12 +85,12 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 class _Attention(torch.autograd.Function):
-    """The merge runs on [B, T, n, d] views (`_rows`): flash attention keeps its out and reads its
-    gradients in that memory layout (its [B, n, T, d] tensors are transposed views of it), and so
-    do rope's output and the o projection's input. Merging in [B, n, T, d] memory instead made
-    flash's wrapper, the o projection and the compiled rope backward each copy out or dOut into
-    the other layout: 40 copies per unroll, about 1.9 ms of a Kimi-size step on an H200
-    (docs/perf.md)."""
+    """The merge runs on [B, T, n, d] views (`_rows`): the attention kernels keep their out and
+    read their gradients in that memory layout (their [B, n, T, d] tensors are transposed views of
+    it), and so do rope's output and the o projection's input. Merging in [B, n, T, d] memory
+    instead made the kernel's wrapper, the o projection and rope's compiled backward each copy out
+    or dOut into the other layout: 40 copies per unroll, about 1.9 ms of a Kimi-size step on an
+    H200 (docs/perf.md)."""
 
     @staticmethod
     def forward(ctx, q, k, v, *extra):
@@ -139,7 +146,7 @@ def _merge(q, lses, outs, eks, evs, scale: float):
 
 @fused
 def _merge_grads(dout, lse, lses):
-    """w * dOut per block (w = exp(lse_block - lse)), in dout's dtype: its flash backward's input."""
+    """w * dOut per block (w = exp(lse_block - lse)), in dout's dtype: its kernel's backward input."""
     f = lse.dtype
     return [((l - lse).exp()[..., None] * dout.to(f)).to(dout.dtype) for l in lses]
 

@@ -16,7 +16,7 @@ Attention (what SGLang's chain drafting sees): row t at step s attends to the st
 j <= t of its own sequence (the draft KV cache holds one step-0 row per accepted token) and to its
 own keys of steps 1..s at row t. So the keys at step s are [K_0 | K_1 | ... | K_s] (each [T]) with
 the mask [causal | diag | ... | diag] (`ttt_mask` spells it out; SpecForge's flex mask is the same).
-`eagle3.attention.attend` computes exactly that without the mask: flash attention over K_0 (causal),
+`eagle3.attention.attend` computes exactly that without the mask: fused attention over K_0 (causal),
 the s diagonal keys as s dot products per row, merged by log-sum-exp. Right padding needs no mask:
 a real row t sees only rows j <= t, all real; padded rows are never counted nor seen by real ones.
 

@@ -251,7 +251,7 @@ class Attention(nn.Module):
         B, T, _ = qkv.shape
         q, k, v = qkv.split(self._split_rows(), dim=-1)
         # rotated in [B, T, n, d] and only then viewed as [B, n, T, d]: rope writes the memory
-        # layout flash attention reads, so no layout copy of q and k precedes it
+        # layout the attention kernels read, so no layout copy of q and k precedes it
         q, k = rope(q.view(B, T, self.nh, self.d), k.view(B, T, self.nkv, self.d), *angles)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.view(B, T, self.nkv, self.d).transpose(1, 2)
