@@ -312,7 +312,7 @@ def test_attend_equals_dense_ttt_mask_attention(monkeypatch, backend):
     == softmax attention over [K_0 | K_1 .. K_s] with the dense ttt_mask, values and gradients,
     for the real rows of right-padded sequences; both the CPU flash kernel and the math backend."""
     import eagle3.attention as model
-    monkeypatch.setattr(model, "_flash_backend", lambda q: backend)
+    monkeypatch.setattr(model, "_backend", lambda q: backend)
     torch.manual_seed(4)
     B, nh, nkv, T, d, s = 2, 4, 2, 7, 8, 3
     real = torch.tensor([[True] * 7, [True] * 5 + [False] * 2])

@@ -221,7 +221,7 @@ def test_attend_with_a_cache_equals_masked_attention(monkeypatch, backend):
     """Tq new rows after L cached ones (inference): every cached key plus the new rows causally;
     values and gradients against SDPA with the explicit mask."""
     import eagle3.attention as model
-    monkeypatch.setattr(model, "_flash_backend", lambda q: backend)
+    monkeypatch.setattr(model, "_backend", lambda q: backend)
     torch.manual_seed(6)
     B, nh, nkv, L, Tq, d = 2, 4, 1, 5, 3, 8
     q = torch.randn(B, nh, Tq, d, dtype=torch.float64, requires_grad=True)
