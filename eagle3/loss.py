@@ -123,16 +123,19 @@ def ttt_mask(real: torch.Tensor, step: int) -> torch.Tensor:
 class _SoftCrossEntropy(torch.autograd.Function):
     """ce[i] = -sum_v p[rows[i], v] log_softmax(z[i])_v = lse(z[i]) - p[rows[i]] . z[i]
     (p sums to 1). Saves z in its own dtype and lse [N], not fp32 copies of z or the gathered p;
-    dz = g * (softmax(z) - p[rows])."""
+    dz = g * (softmax(z) - p[rows]). Also returns argmax(z) [N] (no gradient), found in the same
+    pass over z: the accuracy's argmax alone read the logits again (1.3 ms of a Kimi-size step at
+    4096 tokens on an H200, docs/perf.md)."""
 
     @staticmethod
     def forward(ctx, z, p, rows):
-        ce, lse = _soft_ce(z, p, rows)
+        ce, lse, top = _soft_ce(z, p, rows)
         ctx.save_for_backward(z, p, rows, lse)
-        return ce
+        ctx.mark_non_differentiable(top)
+        return ce, top
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx, g, _):
         z, p, rows, lse = ctx.saved_tensors
         return _soft_ce_grad(z, p, rows, lse, g), None, None
 
@@ -141,10 +144,10 @@ class _SoftCrossEntropy(torch.autograd.Function):
 # the teacher rows stay inside one kernel instead of fp32 copies of z and of p[rows].
 @fused
 def _soft_ce(z, p, rows):
-    """z [N, Vd], p [R, Vd], rows [N] -> (ce [N], lse [N]) in fp32+."""
+    """z [N, Vd], p [R, Vd], rows [N] -> (ce [N], lse [N]) in fp32+, and argmax(z) [N]."""
     zf = z.to(torch.promote_types(z.dtype, p.dtype))
     lse = zf.logsumexp(-1)
-    return lse - (p[rows] * zf).sum(-1), lse
+    return lse - (p[rows] * zf).sum(-1), lse, z.argmax(-1)
 
 
 @fused
@@ -213,12 +216,12 @@ def ttt_loss(drafter: Eagle3Drafter, input_ids: torch.Tensor, loss_mask: torch.T
         num = len(b)
         rows = b * T + t                                                   # [N] into B*T rows
         logits = drafter.logits(h.reshape(B * T, -1)[rows], w)            # [N, Vd]
-        ce = _SoftCrossEntropy.apply(logits, p_rows, rows + 1 + s)        # [N]; teacher row t+1+s
+        ce, drafted = _SoftCrossEntropy.apply(logits, p_rows, rows + 1 + s)   # [N]; teacher row t+1+s
         loss_s = ce.sum() / max(num, 1)
         total = total + decay ** s * (loss_s if norm is None else ce.sum() / norm[s])
         with torch.no_grad():
             step_loss[s] = loss_s.detach().float()
-            hit = draft_ids[logits.argmax(-1)] == top_rows[rows + 1 + s]
+            hit = draft_ids[drafted] == top_rows[rows + 1 + s]
             correct[s] = hit.sum()
             count[s] = num
             hit_rows = torch.zeros_like(alive)

@@ -112,9 +112,10 @@ def test_soft_cross_entropy(compiled, dtype):
     z = 3 * rand(6, 40, dtype=dtype)
     p = torch.randn(9, 40).softmax(-1)
     rows = torch.tensor([0, 2, 2, 5, 7, 8])
-    (ce_e, lse_e), (ce_c, lse_c) = (r[0] for r in eager_and_compiled(_soft_ce, z, p, rows))
+    (ce_e, lse_e, top_e), (ce_c, lse_c, top_c) = (r[0] for r in eager_and_compiled(_soft_ce, z, p, rows))
     close(ce_e, ce_c, torch.float32)             # fp32 statistics in both
     close(lse_e, lse_c, torch.float32)
+    assert torch.equal(top_c, top_e) and torch.equal(top_e, z.argmax(-1))
     g = torch.rand(6)
     dze, dzc = (r[0] for r in eager_and_compiled(_soft_ce_grad, z, p, rows, lse_e, g))
     close(dze, dzc, dtype)

@@ -340,7 +340,8 @@ def test_soft_cross_entropy_equals_log_softmax_form():
     p = torch.randn(9, 11, dtype=torch.float64).softmax(-1)
     rows = torch.tensor([0, 3, 3, 8, 1, 5])
     g = torch.randn(6, dtype=torch.float64)
-    got = _SoftCrossEntropy.apply(z, p, rows)
+    got, top = _SoftCrossEntropy.apply(z, p, rows)
+    assert torch.equal(top, z.argmax(-1))
     want = -(p[rows] * torch.log_softmax(z, -1)).sum(-1)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(torch.autograd.grad((got * g).sum(), z)[0],
