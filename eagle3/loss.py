@@ -51,9 +51,14 @@ cross-entropy keeps only those rows' logits (in the compute dtype) and their log
 backward; the teacher rows are gathered again from p rather than kept per step.
 
 Work shared across steps: the token embedding's part of q/k/v (step s at row t reads the token of
-row t+s+1) is projected once for all steps (eagle3.model.DecoderLayer.embed_qkv); the weights are
-cast once per unroll, and the gradient of each weight that every step uses is summed inside its
-GEMMs (eagle3/reused.py).
+row t+s+1) is projected once for all steps (eagle3.model.DecoderLayer.embed_qkv) and each step reads
+its window of rows, the gradients of all windows summed in one buffer; the weights are cast once
+per unroll, and the gradient of each weight that every step uses is summed inside its GEMMs
+(eagle3/reused.py).
+
+Order: the S layer steps run first, then the S heads (lm_head and loss on each step's counted rows),
+so that the host learns how many rows each step counts (`CountedRows`) long after the GPU found
+them, and never waits for it (see there).
 """
 from __future__ import annotations
 
@@ -202,7 +207,7 @@ def ttt_loss(drafter: Eagle3Drafter, input_ids: torch.Tensor, loss_mask: torch.T
             extra[1].append(v)
         hs.append(h)
 
-    total = hs[0].sum() * 0.0    # stays in the graph, so backward() works when nothing is counted
+    total = h.sum() * 0.0        # stays in the graph, so backward() works when nothing is counted
     step_loss = torch.zeros(ttt_steps, device=dev)
     correct = torch.zeros(ttt_steps, dtype=torch.int64, device=dev)
     count = torch.zeros(ttt_steps, dtype=torch.int64, device=dev)

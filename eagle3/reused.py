@@ -18,6 +18,11 @@ gradients ran at about 1.8 TB/s, 3.9 ms of a Kimi-size step on an H200). (Having
 sum fp32 itself, `out_dtype`, made those GEMMs 4.1 ms slower, as much as the casts it saves:
 docs/perf.md.)
 
+The token embedding's part of q/k/v is such a tensor too (`shared`): every TTT step reads a window
+of its rows (`add_window`), and each window's gradient is added into one buffer of its shape,
+which the root's backward hands on, where autograd would give every window a zero-filled gradient
+of the whole tensor and add those up.
+
 Same math as F.linear everywhere; the sum is only rounded differently (once per GEMM into the
 buffer's dtype). tests/test_loss.py checks every gradient of the unrolled loss against a naive
 reference in float64, tests/test_fused.py against F.linear.
@@ -35,7 +40,7 @@ from eagle3.fused import fused
 
 @dataclass
 class _Sum:
-    buf: Optional[torch.Tensor] = None      # the weight gradient summed over the uses so far
+    buf: Optional[torch.Tensor] = None      # the gradient summed over the uses so far
 
     def add_window(self, shape: torch.Size, start: int, g: torch.Tensor) -> None:
         """buf[:, start:start + len] (+)= g, buf [B, L, ..] of `shape` (zeros before the first)."""
