@@ -191,9 +191,8 @@ def ttt_loss(drafter: Eagle3Drafter, input_ids: torch.Tensor, loss_mask: torch.T
     p_rows = p.reshape(B * T, -1)
     top_rows = top.reshape(B * T)
 
-    # Rows to count are data, and shapes follow them: their number reaches the host without a
-    # wait (CountedRows). All steps of the layer are queued before the host needs it, so the GPU
-    # is never left idle while the host waits: the heads (lm_head, loss) follow once per step.
+    # Rows to count are data, and shapes follow them: how many there are reaches the host without
+    # a wait (CountedRows), long after the GPU found them, as all layer steps are queued first.
     counted = CountedRows(loss_mask, real, top, t2d, ttt_steps)
     h = drafter.project(aux)
     keys, extra, hs = None, ([], []), []
@@ -207,46 +206,42 @@ def ttt_loss(drafter: Eagle3Drafter, input_ids: torch.Tensor, loss_mask: torch.T
             extra[1].append(v)
         hs.append(h)
 
-    total = h.sum() * 0.0        # stays in the graph, so backward() works when nothing is counted
-    step_loss = torch.zeros(ttt_steps, device=dev)
-    correct = torch.zeros(ttt_steps, dtype=torch.int64, device=dev)
-    count = torch.zeros(ttt_steps, dtype=torch.int64, device=dev)
-    accepted = torch.zeros(ttt_steps, dtype=torch.int64, device=dev)
-    alive = (loss_mask.bool() & real)[:, 2:]                # [B, T-2]: chains start at every assistant token
-    chained = alive.sum()
-    for s, (h, (b, t)) in enumerate(zip(hs, counted.rows())):
-        if T - 2 - s <= 0:                              # no row's predicted token x_{t+2+s} exists
-            alive = torch.zeros_like(alive)
-            continue
-        num = len(b)
-        rows = b * T + t                                                   # [N] into B*T rows
-        logits = drafter.logits(h.reshape(B * T, -1)[rows], w)            # [N, Vd]
-        ce, drafted = _SoftCrossEntropy.apply(logits, p_rows, rows + 1 + s)   # [N]; teacher row t+1+s
-        loss_s = ce.sum() / max(num, 1)
-        total = total + decay ** s * (loss_s if norm is None else ce.sum() / norm[s])
-        with torch.no_grad():
-            step_loss[s] = loss_s.detach().float()
-            hit = draft_ids[drafted] == top_rows[rows + 1 + s]
-            correct[s] = hit.sum()
-            count[s] = num
-            hit_rows = torch.zeros_like(alive)
-            hit_rows[b, t] = hit
-            alive = alive & hit_rows                    # uncounted rows (undraftable, past the answer) end a chain
-            accepted[s] = alive.sum()
-    return TTTOutput(loss=total, per_step_loss=step_loss, correct=correct, count=count, accepted=accepted,
-                     chained=chained)
+    # The heads of all steps at once: each op runs once over every step's counted rows (step-major)
+    # instead of once per step, so the host queues a few large kernels, not a dozen small ones
+    # per step while the GPU waits for them (docs/perf.md).
+    step, b, t = counted.rows()                                            # [M] each
+    rows = b * T + t                                                       # [M] into one step's B*T rows
+    h_rows = torch.stack(hs).reshape(ttt_steps * B * T, -1)[step * (B * T) + rows]
+    logits = drafter.logits(h_rows, w)                                     # [M, Vd]
+    ce, drafted = _SoftCrossEntropy.apply(logits, p_rows, rows + 1 + step)  # [M]; teacher row t+1+s
+    ce_sum = ce.new_zeros(ttt_steps).index_add(0, step, ce)                # [S]
+    per_step = ce_sum / counted.count.clamp(min=1)
+    weight = decay ** torch.arange(ttt_steps, device=dev, dtype=ce.dtype)
+    total = (weight * (per_step if norm is None else ce_sum / norm)).sum() + h.sum() * 0.0
+    # (the zero term keeps backward() working when nothing is counted at all)
+    with torch.no_grad():
+        hit = draft_ids[drafted] == top_rows[rows + 1 + step]             # [M]
+        correct = torch.zeros(ttt_steps, dtype=torch.int64, device=dev).index_add(0, step, hit.long())
+        # a chain drafted at row t is accepted up to step s only if steps 0..s all hit there;
+        # uncounted rows (undraftable, past the answer) end it
+        alive = (loss_mask.bool() & real)[:, 2:]            # [B, T-2]: chains start at every assistant token
+        hits = torch.zeros(ttt_steps, *alive.shape, dtype=torch.int32, device=dev)
+        hits[step, b, t] = hit.int()
+        accepted = (hits.cumprod(0).bool() & alive).sum((1, 2))
+    return TTTOutput(loss=total, per_step_loss=per_step.detach().float(), correct=correct,
+                     count=counted.count, accepted=accepted, chained=alive.sum())
 
 
 class CountedRows:
-    """For each TTT step s, the (batch, row) indices of counted_rows(..., s), found for all steps
-    at once and on the device; `rows()` hands them out split by step.
+    """The (step, batch, row) indices of the rows every TTT step trains on (counted_rows(..., s)),
+    found for all steps at once on the device, in step-major order; `count` [S] on the device.
 
     The number of rows is data, so the host must learn it before it can shape the heads' work.
     Asking for it (`nonzero`, `.tolist()`) makes the host wait until the GPU has run everything
     queued so far, after which the GPU idles until the host queues more: 2.3 ms of a Kimi-size
     step on an H200 in one such wait (docs/perf.md). Here the indices come from a stable sort (no
-    wait) and the per-step counts are copied to pinned host memory as soon as they exist, with an
-    event; `rows()` waits only for that event, which by then has long passed."""
+    wait) and their number is copied to pinned host memory as soon as it exists, with an event;
+    `rows()` waits only for that event, which by then has long passed."""
 
     def __init__(self, loss_mask: torch.Tensor, attention_mask: torch.Tensor, top: torch.Tensor,
                  t2d: torch.Tensor, ttt_steps: int):
@@ -255,26 +250,27 @@ class CountedRows:
         every = torch.zeros(ttt_steps, B, n, dtype=torch.bool, device=top.device)
         for s in range(min(ttt_steps, n)):
             every[s, :, :T - 2 - s] = counted_rows(loss_mask, attention_mask, top, t2d, s)
-        # counted entries first, each in its (step, batch, row) order: step-major, split by counts
+        # counted entries first, each in its (step, batch, row) order
         order = torch.sort((~every).flatten().to(torch.uint8), stable=True).indices
+        self.step = order.div(B * max(n, 1), rounding_mode="floor")
         self.b, self.t = order.div(max(n, 1), rounding_mode="floor") % B, order % max(n, 1)
-        sizes = every.sum((1, 2))
+        self.count = every.sum((1, 2))                      # [S] int64
+        total = self.count.sum()
         self.event = None
-        if sizes.is_cuda:
-            self.sizes = torch.empty(sizes.shape, dtype=sizes.dtype, pin_memory=True)
-            self.sizes.copy_(sizes, non_blocking=True)
+        if total.is_cuda:
+            self.total = torch.empty((), dtype=total.dtype, pin_memory=True)
+            self.total.copy_(total, non_blocking=True)
             self.event = torch.cuda.Event()
             self.event.record()
         else:
-            self.sizes = sizes
+            self.total = total
 
-    def rows(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
-        """[(b, t)] per step: int64 [N_s] each."""
+    def rows(self) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(step, b, t): int64 [M] each, M = count.sum(), ordered by step, then b, then t."""
         if self.event is not None:
             self.event.synchronize()
-        sizes = self.sizes.tolist()
-        end = sum(sizes)
-        return list(zip(self.b[:end].split(sizes), self.t[:end].split(sizes)))
+        m = int(self.total)
+        return self.step[:m], self.b[:m], self.t[:m]
 
 
 def counted_rows(loss_mask: torch.Tensor, attention_mask: torch.Tensor, top: torch.Tensor,

@@ -237,19 +237,22 @@ def test_nothing_counted_gives_zero_loss_and_finite_grads():
 
 @pytest.mark.parametrize("B, T", [(3, 17), (2, 4), (1, 2)])
 def test_counted_rows_split_by_step_equal_each_steps_nonzero(B, T):
-    """CountedRows finds all steps' rows by one stable sort; each step's (b, t) must be exactly
-    its own mask's nonzero(), in order (the heads gather rows and teacher rows by them)."""
+    """CountedRows finds all steps' rows by one stable sort; step by step, its (b, t) must be
+    exactly that step's mask's nonzero(), in order (the heads gather rows and teacher rows by
+    them), and `count` its number."""
     g = torch.Generator().manual_seed(B * 100 + T)
     loss_mask = torch.rand(B, T, generator=g) < 0.7
     attention_mask = torch.rand(B, T, generator=g) < 0.9
     top = torch.randint(0, 50, (B, T), generator=g)
     t2d = torch.rand(50, generator=g) < 0.6
-    got = CountedRows(loss_mask, attention_mask, top, t2d, 7).rows()
-    assert len(got) == 7
-    for s, (b, t) in enumerate(got):
+    counted = CountedRows(loss_mask, attention_mask, top, t2d, 7)
+    step, b, t = counted.rows()
+    assert torch.equal(step, step.sort().values)
+    for s in range(7):
         want = (counted_rows(loss_mask, attention_mask, top, t2d, s).nonzero(as_tuple=True)
                 if T - 2 - s > 0 else (torch.zeros(0, dtype=torch.int64),) * 2)
-        assert torch.equal(b, want[0]) and torch.equal(t, want[1]), s
+        assert torch.equal(b[step == s], want[0]) and torch.equal(t[step == s], want[1]), s
+        assert counted.count[s] == len(want[0])
 
 
 @pytest.mark.parametrize("steps", [1, 7])
