@@ -56,9 +56,9 @@ its window of rows, the gradients of all windows summed in one buffer; the weigh
 per unroll, and the gradient of each weight that every step uses is summed inside its GEMMs
 (eagle3/reused.py).
 
-Order: the S layer steps run first, then the S heads (lm_head and loss on each step's counted rows),
-so that the host learns how many rows each step counts (`CountedRows`) long after the GPU found
-them, and never waits for it (see there).
+Order: the S layer steps run first, then the heads (lm_head and loss) of all S steps at once over
+their counted rows, so that the host learns how many rows there are (`CountedRows`) long after the
+GPU found them, and never waits for it (see there), and queues a few large kernels for the heads.
 """
 from __future__ import annotations
 
@@ -66,6 +66,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 
 from eagle3.fused import fused
 from eagle3.model import Eagle3Drafter
@@ -214,7 +215,9 @@ def ttt_loss(drafter: Eagle3Drafter, input_ids: torch.Tensor, loss_mask: torch.T
     h_rows = torch.stack(hs).reshape(ttt_steps * B * T, -1)[step * (B * T) + rows]
     logits = drafter.logits(h_rows, w)                                     # [M, Vd]
     ce, drafted = _SoftCrossEntropy.apply(logits, p_rows, rows + 1 + step)  # [M]; teacher row t+1+s
-    ce_sum = ce.new_zeros(ttt_steps).index_add(0, step, ce)                # [S]
+    # per-step sums by a reduction over a one-hot [M, S], not index_add: a GPU's atomic adds
+    # would make the logged loss differ in its last bits from run to run
+    ce_sum = (F.one_hot(step, ttt_steps).to(ce.dtype) * ce[:, None]).sum(0)   # [S]
     per_step = ce_sum / counted.count.clamp(min=1)
     weight = decay ** torch.arange(ttt_steps, device=dev, dtype=ce.dtype)
     total = (weight * (per_step if norm is None else ce_sum / norm)).sum() + h.sum() * 0.0
