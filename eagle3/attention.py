@@ -3,8 +3,8 @@
 A query row sees a causal block of keys and, in TTT, S more keys of its own (its keys of the later
 draft steps). The causal block runs as a fused attention kernel (no [T, T] scores in memory):
 cuDNN's on a GPU, torch's flash kernel on the CPU; the S own keys are S dot products per row,
-merged with the block by log-sum-exp. This replaces one SDPA over [K_0 | K_1 .. K_s] with a dense [T, (s+1)T] mask, which
-scored s*T*T keys to use s*T.
+merged with the block by log-sum-exp. This replaces one SDPA over [K_0 | K_1 .. K_s] with a dense
+[T, (s+1)T] mask, which scored s*T*T keys to use s*T.
 
 Backward without a gradient through the block's log-sum-exp: for merged probabilities
 P = w * P_block (w = exp(lse_block - lse)), the kernel's backward given grad_out' = w * dOut and the
@@ -119,7 +119,8 @@ class _Attention(torch.autograd.Function):
         if dout.stride(-1) != 1:
             dout = dout.contiguous()
         dqs, dk, dv = [], [], []
-        for (a, b, causal), l, st, g in zip(ctx.blocks, lses, ctx.states, _merge_grads(dout, lse, list(lses))):
+        for (a, b, causal), l, st, g in zip(ctx.blocks, lses, ctx.states,
+                                            _merge_grads(dout, lse, list(lses))):
             dqb, dkb, dvb = _block_backward(_rows(g), q, k[:, :, a:b], v[:, :, a:b], _rows(out),
                                             _rows(l), causal, scale, st)
             dqs, dk, dv = dqs + [_rows(dqb)], dk + [dkb], dv + [dvb]
@@ -153,7 +154,8 @@ def _merge_grads(dout, lse, lses):
 
 @fused
 def _merge_backward(dout, out, q, lse, dqs, eks, evs, scale: float):
-    """dqs: the blocks' dq -> (dq, dks, dvs of the own keys/values), dq summed in fp32+. All [B, Tq, n, ..]."""
+    """dqs: the blocks' dq -> (dq, dks, dvs of the own keys/values), dq summed in fp32+; all
+    [B, Tq, n, ..]."""
     f = lse.dtype
     qf, df = q.to(f), dout.to(f)
     dsum = (df * out.to(f)).sum(-1)                                        # D [B, Tq, n]

@@ -248,11 +248,8 @@ class CountedRows:
 
     def __init__(self, loss_mask: torch.Tensor, attention_mask: torch.Tensor, top: torch.Tensor,
                  t2d: torch.Tensor, ttt_steps: int):
-        B, T = top.shape
-        n = max(T - 2, 0)
-        every = torch.zeros(ttt_steps, B, n, dtype=torch.bool, device=top.device)
-        for s in range(min(ttt_steps, n)):
-            every[s, :, :T - 2 - s] = counted_rows(loss_mask, attention_mask, top, t2d, s)
+        every = counted_grid(loss_mask, attention_mask, top, t2d, ttt_steps)
+        _, B, n = every.shape
         # counted entries first, each in its (step, batch, row) order
         order = torch.sort((~every).flatten().to(torch.uint8), stable=True).indices
         self.step = order.div(B * max(n, 1), rounding_mode="floor")
@@ -285,14 +282,24 @@ def counted_rows(loss_mask: torch.Tensor, attention_mask: torch.Tensor, top: tor
     return wanted[:, 2 + s:] & t2d[top][:, 1 + s:T - 1]
 
 
+def counted_grid(loss_mask: torch.Tensor, attention_mask: torch.Tensor, top: torch.Tensor,
+                 t2d: torch.Tensor, ttt_steps: int) -> torch.Tensor:
+    """[S, B, max(T-2, 0)] bool: counted_rows of every step s in its first T-2-s columns (the rows
+    past them predict no token and are never counted)."""
+    B, T = top.shape
+    n = max(T - 2, 0)
+    every = torch.zeros(ttt_steps, B, n, dtype=torch.bool, device=top.device)
+    for s in range(min(ttt_steps, n)):
+        every[s, :, :T - 2 - s] = counted_rows(loss_mask, attention_mask, top, t2d, s)
+    return every
+
+
 @torch.no_grad()
 def step_counts(loss_mask: torch.Tensor, attention_mask: torch.Tensor, top: torch.Tensor,
                 t2d: torch.Tensor, ttt_steps: int) -> torch.Tensor:
-    """[S] int64: how many rows each TTT step counts (what `norm` sums over a global batch)."""
-    T = top.shape[1]
-    zero = torch.zeros((), dtype=torch.int64, device=top.device)
-    return torch.stack([counted_rows(loss_mask, attention_mask, top, t2d, s).sum() if T - 2 - s > 0 else zero
-                        for s in range(ttt_steps)])       # on the device: no host sync
+    """[S] int64: how many rows each TTT step counts (what `norm` sums over a global batch), on
+    the device: no host sync."""
+    return counted_grid(loss_mask, attention_mask, top, t2d, ttt_steps).sum((1, 2))
 
 
 @torch.no_grad()
