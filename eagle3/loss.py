@@ -128,39 +128,42 @@ def ttt_mask(real: torch.Tensor, step: int) -> torch.Tensor:
 
 class _SoftCrossEntropy(torch.autograd.Function):
     """ce[i] = -sum_v p[rows[i], v] log_softmax(z[i])_v = lse(z[i]) - p[rows[i]] . z[i]
-    (p sums to 1). Saves z in its own dtype and lse [N], not fp32 copies of z or the gathered p;
-    dz = g * (softmax(z) - p[rows]). Also returns argmax(z) [N] (no gradient), found in the same
-    pass over z: the accuracy's argmax alone read the logits again (1.3 ms of a Kimi-size step at
-    4096 tokens on an H200, docs/perf.md)."""
+    (p sums to 1), and argmax(z) [N] (no gradient). The forward's one pass over z also writes the
+    gradient's row part d[i] = softmax(z[i]) - p[rows[i]] in z's dtype and saves it instead of z;
+    the backward only scales its rows by the upstream gradient, dz = g[:, None] * d. Finding d in
+    the backward instead re-read z and the gathered teacher rows (fp32) there: 5.4 ms of a
+    Kimi-size step at 4096 tokens on an H200, where the scaling reads and writes bf16 only
+    (docs/perf.md). The accuracy's argmax, too, comes from this pass, not a pass of its own."""
 
     @staticmethod
     def forward(ctx, z, p, rows):
-        ce, lse, top = _soft_ce(z, p, rows)
-        ctx.save_for_backward(z, p, rows, lse)
+        ce, top, d = _soft_ce(z, p, rows)
+        ctx.save_for_backward(d)
         ctx.mark_non_differentiable(top)
         return ce, top
 
     @staticmethod
     def backward(ctx, g, _):
-        z, p, rows, lse = ctx.saved_tensors
-        return _soft_ce_grad(z, p, rows, lse, g), None, None
+        d, = ctx.saved_tensors
+        return _scale_rows(d, g), None, None
 
 
-# Both directions fused on a GPU (eagle3/fused.py): the fp32 work over [N, Vd] and the gather of
-# the teacher rows stay inside one kernel instead of fp32 copies of z and of p[rows].
+# One kernel each on a GPU (eagle3/fused.py): the fp32 work over [N, Vd] and the gather of the
+# teacher rows stay inside the kernel instead of fp32 copies of z and of p[rows].
 @fused
 def _soft_ce(z, p, rows):
-    """z [N, Vd], p [R, Vd], rows [N] -> (ce [N], lse [N]) in fp32+, and argmax(z) [N]."""
+    """z [N, Vd], p [R, Vd], rows [N] -> (ce [N] in fp32+, argmax(z) [N], d [N, Vd] in z's dtype:
+    softmax(z) - p[rows], dce/dz)."""
     zf = z.to(torch.promote_types(z.dtype, p.dtype))
     lse = zf.logsumexp(-1)
-    return lse - (p[rows] * zf).sum(-1), lse, z.argmax(-1)
+    pr = p[rows]
+    return lse - (pr * zf).sum(-1), z.argmax(-1), ((zf - lse[:, None]).exp() - pr).to(z.dtype)
 
 
 @fused
-def _soft_ce_grad(z, p, rows, lse, g):
-    """dce/dz [N, Vd] in z's dtype, for the upstream gradient g [N]."""
-    dz = ((z.to(lse.dtype) - lse[:, None]).exp() - p[rows]) * g[:, None]
-    return dz.to(z.dtype)
+def _scale_rows(d, g):
+    """g[:, None] * d in d's dtype, for d [N, Vd] and g [N]."""
+    return (d.to(g.dtype) * g[:, None]).to(d.dtype)
 
 
 def ttt_loss(drafter: Eagle3Drafter, input_ids: torch.Tensor, loss_mask: torch.Tensor,
@@ -213,8 +216,9 @@ def ttt_loss(drafter: Eagle3Drafter, input_ids: torch.Tensor, loss_mask: torch.T
     step, b, t = counted.rows()                                            # [M] each
     rows = b * T + t                                                       # [M] into one step's B*T rows
     h_rows = torch.stack(hs).reshape(ttt_steps * B * T, -1)[step * (B * T) + rows]
-    logits = drafter.logits(h_rows, w)                                     # [M, Vd]
-    ce, drafted = _SoftCrossEntropy.apply(logits, p_rows, rows + 1 + step)  # [M]; teacher row t+1+s
+    # ce [M] against teacher row t+1+s; the logits [M, Vd] are not kept (the soft cross-entropy
+    # saves their gradient instead)
+    ce, drafted = _SoftCrossEntropy.apply(drafter.logits(h_rows, w), p_rows, rows + 1 + step)
     # per-step sums by a reduction over a one-hot [M, S], not index_add: a GPU's atomic adds
     # would make the logged loss differ in its last bits from run to run
     ce_sum = (F.one_hot(step, ttt_steps).to(ce.dtype) * ce[:, None]).sum(0)   # [S]
