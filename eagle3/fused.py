@@ -34,6 +34,12 @@ _ENABLED: Optional[bool] = None
 # fullgraph=True: a graph break would split the chain into several kernels (or eager ops)
 # without a word; it raises instead.
 _RECOMPILE_LIMIT = 64
+# Except the last dim of every tensor argument of 2+ dims: in this project that is always a width
+# of the model (hidden, vocab, heads, head_dim), fixed for a run, never a count of tokens or rows.
+# Compiled as a constant it turns the kernels' per-element row and column index math (x // W,
+# x % W: the broadcast of a row statistic, the gathered teacher rows) from divisions by a runtime
+# value into multiplies; with it dynamic, the soft cross-entropy's gradient kernel moved 1.4 TB/s
+# of an H200's 4.8 (docs/perf.md). A new width compiles a new graph, as a new model would anyway.
 
 
 def set_enabled(flag: Optional[bool]) -> Optional[bool]:
@@ -53,6 +59,14 @@ def _compiling(x: torch.Tensor) -> bool:
     return x.is_cuda
 
 
+def _tensors(args):
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            yield a
+        elif isinstance(a, (list, tuple)):
+            yield from _tensors(a)
+
+
 def fused(fn: Callable) -> Callable:
     """fn(x, ...) -> torch.compile(fn)(x, ...) when compiling is on for x's device, else fn itself.
     fn must be a tensor function without data-dependent Python control flow, either pure or
@@ -69,6 +83,9 @@ def fused(fn: Callable) -> Callable:
             cfg = torch._dynamo.config
             cfg.cache_size_limit = max(cfg.cache_size_limit, _RECOMPILE_LIMIT)
             compiled = torch.compile(fn, dynamic=True, fullgraph=True)
+        for t in _tensors((x, *args)):
+            if t.dim() >= 2:
+                torch._dynamo.mark_static(t, t.dim() - 1)
         return compiled(x, *args)
 
     return run

@@ -200,3 +200,19 @@ def test_widened_gradient_and_teacher_compiled_match_eager(compiled):
     assert torch.equal(c_top, e_top) and torch.equal(e_top, logits.argmax(-1))
     close(e_p, c_p, torch.float32)
     torch.testing.assert_close(e_p, logits[:, ids].softmax(-1))
+
+
+def test_widths_compile_as_constants_and_row_counts_do_not(compiled):
+    """The last dim of a 2+-dim argument is a model width: a new one compiles a new graph; a new
+    number of rows (or a 1-dim argument's new length) does not."""
+    @fused.fused
+    def scale(x, w):
+        return x * w
+
+    graphs = lambda: counters["stats"]["unique_graphs"]
+    before = graphs()
+    for rows in (3, 5, 9):
+        torch.testing.assert_close(scale(torch.ones(rows, 8), torch.arange(8.0)), torch.arange(8.0).expand(rows, 8))
+    assert graphs() - before == 1
+    scale(torch.ones(5, 16), torch.arange(16.0))
+    assert graphs() - before == 2
