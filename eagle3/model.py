@@ -33,7 +33,7 @@ from torch import nn
 
 from eagle3.attention import at_least_fp32, attend
 from eagle3.fused import fused
-from eagle3.reused import Reused, add_window, linear, reuse, shared
+from eagle3.reused import Reused, linear, reuse, shared, window
 
 
 @dataclass
@@ -241,9 +241,9 @@ class Attention(nn.Module):
         sd[prefix + "qkv_hidden"] = torch.cat([w[:, H:] for w in ws])
         return sd
 
-    def forward(self, qkv, angles, o: Reused, keys=None, extra=None):
+    def forward(self, qkv, angles, o: Reused, keys=None, extra=None, residual=None):
         """qkv [B, T, nh*d + 2*nkv*d] (projected, not rotated), angles: rope_angles (cos, sin) of
-        the rows' positions -> (out [B, T, H], k, v
+        the rows' positions -> (residual + out [B, T, H] (added in o's GEMM), k, v
         [B, nkv, T, d]: this call's rotated keys and values). keys: (k, v) [B, nkv, P, d] seen
         before this call's rows (a KV cache); extra: TTT step s >= 1: (keys, values) of steps
         1..s-1 of the same rows, `keys` then being their step-0 keys; this call's own keys join
@@ -261,7 +261,7 @@ class Attention(nn.Module):
             out = attend(q, torch.cat([keys[0], k], dim=2), torch.cat([keys[1], v], dim=2))
         else:
             out = attend(q, k, v)
-        return linear(out.transpose(1, 2).reshape(B, T, self.nh * self.d), o), k, v
+        return linear(out.transpose(1, 2).reshape(B, T, self.nh * self.d), o, add=residual), k, v
 
 
 class MLP(nn.Module):
@@ -273,8 +273,9 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(s.hidden_size, s.intermediate_size, bias=False)
         self.down_proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=False)
 
-    def forward(self, x, w: UnrollWeights):
-        return linear(silu_mul(linear(x, w.gate), linear(x, w.up)), w.down)
+    def forward(self, x, w: UnrollWeights, residual=None):
+        """residual + down(silu(gate(x)) * up(x)), the add inside down's GEMM."""
+        return linear(silu_mul(linear(x, w.gate), linear(x, w.up)), w.down, add=residual)
 
 
 @fused
@@ -295,14 +296,15 @@ class DecoderLayer(nn.Module):
         """[B, L, H] token embeddings -> [B, L, N]: their part of q/k/v. q/k/v read
         cat[input_layernorm(embed), hidden_norm(h)], so W @ a = W_embed @ e + W_hidden @ h; TTT
         step s at row t reads the embedding of row t+s+1, so one projection serves all steps,
-        each reading its window of rows (`add_window`)."""
+        each reading its window of rows (`window`)."""
         return shared(linear(self.input_layernorm(embeds), w.embed))
 
     def forward(self, e_qkv: Reused, h, angles, w: UnrollWeights, keys=None, extra=None, start: int = 0):
-        qkv = add_window(e_qkv, start, linear(self.hidden_norm(h), w.hidden))   # rows start.. of e_qkv
-        attn, k, v = self.self_attn(qkv, angles, w.o, keys, extra)
-        h = h + attn                                  # residual is the un-normed input hidden
-        h = h + self.mlp(self.post_attention_layernorm(h), w)
+        # each add (the token part's window, rows start.. of e_qkv, and the residuals: the
+        # un-normed input hidden, then h1) runs inside the GEMM before it (`linear`'s add)
+        qkv = linear(self.hidden_norm(h), w.hidden, add=window(e_qkv, start, h.shape[1]))
+        h, k, v = self.self_attn(qkv, angles, w.o, keys, extra, residual=h)
+        h = self.mlp(self.post_attention_layernorm(h), w, residual=h)
         return h, k, v
 
 

@@ -19,9 +19,14 @@ sum fp32 itself, `out_dtype`, made those GEMMs 4.1 ms slower, as much as the cas
 docs/perf.md.)
 
 The token embedding's part of q/k/v is such a tensor too (`shared`): every TTT step reads a window
-of its rows (`add_window`), and each window's gradient is added into one buffer of its shape,
-which the root's backward hands on, where autograd would give every window a zero-filled gradient
-of the whole tensor and add those up.
+of its rows (`window`), and each window's gradient is added into one buffer of its shape, which
+the root's backward hands on, where autograd would give every window a zero-filled gradient of the
+whole tensor and add those up.
+
+`linear(x, w, add=y)` adds y inside the GEMM (cuBLAS's epilogue reads it): the residual adds of
+the layer and the window of q/k/v's token part, each otherwise a pass of its own that reads two
+[T, N] tensors and writes a third (21 such passes per unroll, about 1.8 ms of a Kimi-size step at
+4096 tokens on an H200, docs/perf.md).
 
 Same math as F.linear everywhere; the sum is only rounded differently (once per GEMM into the
 buffer's dtype). tests/test_loss.py checks every gradient of the unrolled loss against a naive
@@ -90,11 +95,14 @@ class _Cast(torch.autograd.Function):
 
 class _Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, total):
+    def forward(ctx, x, w, total, add):
         x = x.to(w.dtype)
         ctx.save_for_backward(x, w)
         ctx.total = total
-        return F.linear(x, w)
+        if add is None or add.dtype != w.dtype:    # (another dtype: `+`'s type promotion)
+            return F.linear(x, w) if add is None else F.linear(x, w) + add
+        y = torch.addmm(add.reshape(-1, add.shape[-1]), x.reshape(-1, x.shape[-1]), w.T)
+        return y.view(add.shape)
 
     @staticmethod
     def backward(ctx, dy):
@@ -102,7 +110,7 @@ class _Linear(torch.autograd.Function):
         dx = dy @ w if ctx.needs_input_grad[0] else None
         if ctx.needs_input_grad[1]:
             ctx.total.add_product(dy.reshape(-1, dy.shape[-1]).T, x.reshape(-1, x.shape[-1]))
-        return dx, None, None
+        return dx, None, None, dy if ctx.needs_input_grad[3] else None
 
 
 def reuse(weight: torch.Tensor, dtype: torch.dtype) -> Reused:
@@ -111,32 +119,34 @@ def reuse(weight: torch.Tensor, dtype: torch.dtype) -> Reused:
     return Reused(_Cast.apply(weight, dtype, total), total)
 
 
-class _WindowAdd(torch.autograd.Function):
+class _Window(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, y, start, total):
+    def forward(ctx, x, start, length, total):
         ctx.shape, ctx.start, ctx.total = x.shape, start, total
-        return x[:, start:start + y.shape[1]] + y
+        return x[:, start:start + length]
 
     @staticmethod
     def backward(ctx, g):
         ctx.total.add_window(ctx.shape, ctx.start, g)
-        return None, g, None, None
+        return None, None, None, None
 
 
 def shared(x: torch.Tensor) -> Reused:
-    """x [B, L, ..], of which every TTT step reads a window of rows through `add_window`."""
+    """x [B, L, ..], of which every TTT step reads a window of rows through `window`."""
     total = _Sum()
     return Reused(_Cast.apply(x, x.dtype, total), total)
 
 
-def add_window(x: Reused, start: int, y: torch.Tensor) -> torch.Tensor:
-    """x.weight[:, start:start + T] + y for y [B, T, ..]. Its gradient goes into ONE buffer of x's
-    shape for all windows; autograd would give each window's use a zero-filled x-sized gradient
-    and add those up (the tokens' q/k/v part, [B, T+S-1, N]: about 1 ms of a Kimi-size step on an
-    H200, docs/perf.md)."""
-    return _WindowAdd.apply(x.weight, y, start, x.grad)
+def window(x: Reused, start: int, length: int) -> torch.Tensor:
+    """x.weight[:, start:start + length] (a view). Its gradient goes into ONE buffer of x's shape
+    for all windows; autograd would give each window's use a zero-filled x-sized gradient and add
+    those up (the tokens' q/k/v part, [B, T+S-1, N]: about 1 ms of a Kimi-size step on an H200,
+    docs/perf.md)."""
+    return _Window.apply(x.weight, start, length, x.grad)
 
 
-def linear(x: torch.Tensor, w: Reused) -> torch.Tensor:
-    """F.linear(x, w.weight) (x cast to the weight's dtype), its weight gradient summed in w.grad."""
-    return _Linear.apply(x, w.weight, w.grad)
+def linear(x: torch.Tensor, w: Reused, add: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """F.linear(x, w.weight) (x cast to the weight's dtype), its weight gradient summed in w.grad;
+    + add [.., out] (a residual, a window of `shared` rows), inside the GEMM (addmm, which reads it
+    in its epilogue) when add is in the weight's dtype, else as `+`."""
+    return _Linear.apply(x, w.weight, w.grad, add)

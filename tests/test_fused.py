@@ -167,23 +167,28 @@ def test_reused_weight_sums_its_uses_gradients_like_autograd():
         torch.testing.assert_close(a, b.to(a.dtype), rtol=1e-5, atol=1e-5)
 
 
-def test_shared_rows_sum_their_windows_gradients_like_autograd():
-    """eagle3.reused.add_window: windows of one tensor read by several steps (overlapping, one
-    window's output unused) give the values and gradients that plain slicing gives."""
-    from eagle3.reused import add_window, shared
+def test_shared_rows_and_adds_inside_the_gemm_match_autograd():
+    """eagle3.reused.window and linear's add: windows of one tensor read by several steps
+    (overlapping, one window's output unused), each added inside a GEMM, give the values and
+    gradients that plain slicing and `+` give. Batch 2, so a window is not one block of memory;
+    the last use adds an fp32 tensor to the fp64 GEMM (promoted, as `+`)."""
+    from eagle3.reused import linear, reuse, shared, window
     torch.manual_seed(0)
-    x = torch.randn(2, 9, 3, dtype=torch.float64, requires_grad=True)
-    ys = [torch.randn(2, 5, 3, dtype=torch.float64, requires_grad=True) for _ in range(4)]
-    g = torch.randn(4, 2, 5, 3, dtype=torch.float64)
+    x = torch.randn(2, 9, 6, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
+    ys = [torch.randn(2, 5, 4, dtype=torch.float64, requires_grad=True) for _ in range(4)]
+    r = torch.randn(2, 5, 6, requires_grad=True)
+    g = torch.randn(5, 2, 5, 6, dtype=torch.float64)
 
-    def run(window):
-        outs = [window(s, y) for s, y in enumerate(ys)]
-        loss = sum((o * g[s]).sum() for s, o in enumerate(outs[:3]))       # outs[3] is not used
-        return outs, torch.autograd.grad(loss, [x, *ys[:3]])
+    def run(lin, win):
+        outs = [lin(y, win(s)) for s, y in enumerate(ys)] + [lin(ys[0], r)]
+        loss = sum((o * g[s]).sum() for s, o in enumerate(outs) if s != 3)    # outs[3] is not used
+        return outs, torch.autograd.grad(loss, [x, w, r, *ys[:3]])
 
-    sx = shared(x)
-    got = run(lambda s, y: add_window(sx, s, y))
-    want = run(lambda s, y: x[:, s:s + 5] + y)
+    sx, rw = shared(x), reuse(w, torch.float64)
+    got = run(lambda y, a: linear(y, rw, add=a), lambda s: window(sx, s, 5))
+    want = run(lambda y, a: torch.nn.functional.linear(y, w) + a, lambda s: x[:, s:s + 5])
+    assert got[0][-1].dtype == torch.float64
     for a, b in zip(got[0] + list(got[1]), want[0] + list(want[1])):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 
