@@ -25,8 +25,8 @@ whole tensor and add those up.
 
 `linear(x, w, add=y)` adds y inside the GEMM (cuBLAS's epilogue reads it): the residual adds of
 the layer and the window of q/k/v's token part, each otherwise a pass of its own that reads two
-[T, N] tensors and writes a third (21 such passes per unroll, about 1.8 ms of a Kimi-size step at
-4096 tokens on an H200, docs/perf.md).
+[T, N] tensors and writes a third (21 such passes per unroll, about 1.5 ms of a Kimi-size step at
+4096 tokens on an H200 by its profile, docs/perf.md).
 
 Same math as F.linear everywhere; the sum is only rounded differently (once per GEMM into the
 buffer's dtype). tests/test_loss.py checks every gradient of the unrolled loss against a naive
