@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import time
 
 import torch
 
@@ -63,6 +64,9 @@ def main():
     ap.add_argument("--seq", type=int, nargs="+", default=[2048, 4096])
     ap.add_argument("--heads", type=int, default=64)
     ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--new-lengths", type=int, default=0,
+                    help="also time cuDNN's first forward+backward at this many lengths just below each --seq "
+                         "against a repeated call: it builds a plan per new shape, and real batches have many")
     args = ap.parse_args()
     print(f"device {torch.cuda.get_device_name()}  torch {torch.__version__}  cudnn {torch.backends.cudnn.version()}")
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -86,6 +90,29 @@ def main():
         tcb = timed(lambda: cudnn_bwd(dout, q, k, v, co, cl, cs, scale))
         print(f"T={T}: ms     forward flash {tf:.3f} cudnn {tc:.3f} | backward flash {tfb:.3f} cudnn {tcb:.3f} "
               f"| x7 TTT steps: flash {7 * (tf + tfb):.1f} cudnn {7 * (tc + tcb):.1f}")
+        if args.new_lengths:
+            new_lengths(T, args.new_lengths, n, d, g)
+
+
+def new_lengths(T, count, n, d, g):
+    """Wall time of cuDNN's forward + backward at `count` lengths not seen before, then repeated."""
+    def call(q, k, v, dout):
+        out, lse, state = cudnn(q, k, v, d ** -0.5)
+        cudnn_bwd(dout, q, k, v, out, lse, state, d ** -0.5)
+
+    first = []
+    for L in range(T - count, T):
+        args = [torch.randn(1, L, n, d, device="cuda", generator=g, dtype=torch.bfloat16).transpose(1, 2)
+                for _ in range(4)]
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        call(*args)
+        torch.cuda.synchronize()
+        first.append(1e3 * (time.perf_counter() - t0))
+    again = timed(lambda: call(*args))
+    med = statistics.median(first)
+    print(f"T={T}: new lengths {T - count}..{T - 1}: first call {med:.1f} ms median (min {min(first):.1f}, "
+          f"max {max(first):.1f}), repeated {again:.2f} ms: {med - again:.1f} ms per new length and layer step")
 
 
 if __name__ == "__main__":

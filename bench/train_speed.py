@@ -74,6 +74,8 @@ def parse_args():
     ap.add_argument("--clip", type=float, default=0.5)
     ap.add_argument("--peak-tflops", type=float, help="default: measured matmul throughput")
     ap.add_argument("--profile", action="store_true", help="print where one step's time goes")
+    ap.add_argument("--new-lengths", type=int, default=0,
+                    help="then time one step at each of this many lengths just below --seq, none seen before")
     ap.add_argument("--shapes", action="store_true", help="with --profile: also by op and input shapes")
     ap.add_argument("--stacks", action="store_true",
                     help="with --profile: also the non-matmul ops by where in this project they are called")
@@ -221,6 +223,11 @@ def synthetic_batch(s: DrafterShape, B, T, device, dtype, gen):
     t2d[:Vd] = True
     head = torch.randn(V, Ht, generator=gen) / Ht ** 0.5
     head[:Vd] *= 3.0
+    return random_features(s, B, T, device, dtype, gen), head.to(device, dtype), DraftVocab(d2t, t2d).to(device)
+
+
+def random_features(s: DrafterShape, B, T, device, dtype, gen):
+    V, Ht = s.vocab_size, s.target_hidden_size
     batch = dict(
         input_ids=torch.randint(0, V, (B, T), generator=gen),
         loss_mask=torch.ones(B, T, dtype=torch.uint8),
@@ -228,9 +235,7 @@ def synthetic_batch(s: DrafterShape, B, T, device, dtype, gen):
         aux=torch.randn(B, T, s.num_aux * Ht, generator=gen),
         final=torch.randn(B, T, Ht, generator=gen),
     )
-    batch = {k: (v.to(device, dtype) if v.is_floating_point() else v.to(device))
-             for k, v in batch.items()}
-    return batch, head.to(device, dtype), DraftVocab(d2t, t2d).to(device)
+    return {k: (v.to(device, dtype) if v.is_floating_point() else v.to(device)) for k, v in batch.items()}
 
 
 def measure(args, shape: DrafterShape, device, cdtype):
@@ -294,8 +299,10 @@ def measure(args, shape: DrafterShape, device, cdtype):
     print(f"ms/step       {ms:.1f} median of {len(step_ms)} "
           f"(forward+backward {statistics.median(fwd_bwd_ms):.1f}, "
           f"clip+optimizer {ms - statistics.median(fwd_bwd_ms):.1f})")
-    print(f"host          {statistics.median(host_ms):.1f} ms to queue forward+backward (near its "
-          f"time: the GPU waits for the host)")
+    host = statistics.median(host_ms)
+    print(f"host          {host:.1f} ms to queue forward+backward" + (
+        " (near its time: the GPU waits for the host)"
+        if device.type == "cuda" and host > 0.8 * statistics.median(fwd_bwd_ms) else ""))
     if args.warmup:
         print(f"warm-up       {warmup_s:.1f} s for {args.warmup} step(s) (compiling included)")
     print(f"tokens/s      {tokens / ms * 1e3:,.0f}")
@@ -304,6 +311,19 @@ def measure(args, shape: DrafterShape, device, cdtype):
           f"{2 * tokens * shape.target_hidden_size * shape.vocab_size / 1e12:.4g} TFLOP not counted")
     print(f"MFU           {flops / (ms / 1e3) / 1e12 / peak:.1%} of {peak:.4g} TFLOP/s "
           f"({'given' if args.peak_tflops else 'measured matmul'})")
+
+    if args.new_lengths:    # real batches have many lengths: what a length not seen before costs
+        first = []
+        for L in range(args.seq - args.new_lengths, args.seq):
+            batch = random_features(shape, args.batch, L, device, cdtype, gen)     # forward_backward reads it
+            sync(device)
+            t0 = time.perf_counter()
+            forward_backward()
+            optimizer_step()
+            sync(device)
+            first.append(1e3 * (time.perf_counter() - t0))
+        print(f"new lengths   {args.seq - args.new_lengths}..{args.seq - 1}: {statistics.median(first):.1f} ms/step "
+              f"median (max {max(first):.1f}) against {ms:.1f} at the one length above")
 
     if args.profile:
         profile_step(lambda: (forward_backward(), optimizer_step()), device, shapes=args.shapes,
