@@ -107,9 +107,10 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, w = ctx.saved_tensors
-        dx = dy @ w if ctx.needs_input_grad[0] else None
+        dg = dy.to(w.dtype)                        # (a wider add widened the output: not the GEMM's)
+        dx = dg @ w if ctx.needs_input_grad[0] else None
         if ctx.needs_input_grad[1]:
-            ctx.total.add_product(dy.reshape(-1, dy.shape[-1]).T, x.reshape(-1, x.shape[-1]))
+            ctx.total.add_product(dg.reshape(-1, dg.shape[-1]).T, x.reshape(-1, x.shape[-1]))
         return dx, None, None, dy if ctx.needs_input_grad[3] else None
 
 

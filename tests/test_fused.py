@@ -192,6 +192,19 @@ def test_shared_rows_and_adds_inside_the_gemm_match_autograd():
     for a, b in zip(got[0] + list(got[1]), want[0] + list(want[1])):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 
+    # an add wider than the weight's compute dtype widens the output, as `+` does; the GEMMs'
+    # gradients stay in the weight's dtype
+    wide = torch.randn(2, 5, 6, dtype=torch.float64, requires_grad=True)
+    w32 = w.detach().float().requires_grad_()
+    results = []
+    for lin in (lambda: linear(ys[0], reuse(w32, torch.float32), add=wide),
+                lambda: torch.nn.functional.linear(ys[0].float(), w32) + wide):
+        out = lin()
+        results.append((out, *torch.autograd.grad((out * g[0]).sum(), [w32, wide, ys[0]])))
+    for a, b in zip(*results):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
 
 def test_widened_gradient_and_teacher_compiled_match_eager(compiled):
     """The cast of a summed bf16 weight gradient to fp32 (exact either way), and the teacher's
