@@ -8,26 +8,15 @@ bandwidth that makes. Run it against another tree's eagle3 to compare (PYTHONPAT
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))     # after PYTHONPATH: another tree's eagle3 wins
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from attention_speed import timed  # noqa: E402
 from eagle3.loss import _SoftCrossEntropy  # noqa: E402
-
-
-def timed(fn, reps=20):
-    ts = []
-    for _ in range(reps + 3):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts[3:])
 
 
 def main():
