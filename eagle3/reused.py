@@ -99,10 +99,11 @@ class _Linear(torch.autograd.Function):
         x = x.to(w.dtype)
         ctx.save_for_backward(x, w)
         ctx.total = total
-        if add is None or add.dtype != w.dtype:    # (another dtype: `+`'s type promotion)
-            return F.linear(x, w) if add is None else F.linear(x, w) + add
-        y = torch.addmm(add.reshape(-1, add.shape[-1]), x.reshape(-1, x.shape[-1]), w.T)
-        return y.view(add.shape)
+        if add is not None and add.dtype == w.dtype:                # the add inside the GEMM
+            y = torch.addmm(add.reshape(-1, add.shape[-1]), x.reshape(-1, x.shape[-1]), w.T)
+            return y.view(add.shape)
+        y = F.linear(x, w)
+        return y if add is None else y + add                         # (another dtype: `+`'s promotion)
 
     @staticmethod
     def backward(ctx, dy):
