@@ -235,6 +235,24 @@ def default_aux_layers(num_layers: int) -> list[int]:
     return [2, num_layers // 2, num_layers - 3]
 
 
+@dataclass
+class Target:
+    """A target resolved for a run: its local directory, its config facts and the checked aux layers."""
+    dir: Path
+    info: TargetInfo
+    aux_layers: list[int]
+
+
+def prepare_target(source: str, path: str, name: str, arch: str, random_config: dict, seed: int,
+                   aux_layers: list[int]) -> Target:
+    """The one set-up of a target shared by capture, training and evaluation: resolve (dequantize or
+    build once, cached), read its facts, and check the aux layers ([] = the default for its depth)."""
+    from eagle3.engine_ids import check_aux_layers
+    d = resolve_target(source, path, name, arch, dict(random_config), seed)
+    info = target_info(d, name)
+    return Target(d, info, check_aux_layers(list(aux_layers) or default_aux_layers(info.num_layers), info.num_layers))
+
+
 @contextlib.contextmanager
 def _whole_even_under_zero3():
     """While a ZeRO-3 run is set up (accelerate registers its DeepSpeed config with transformers),
