@@ -5,7 +5,7 @@
     python bench/capture.py --smollm2 --random --device cuda --num-samples 2000   # SmolLM2's shape, no files
 
 Samples are real ShareGPT conversations rendered with SmolLM2's chat template (the tiny target uses
-the same tokenizer). Timings are the best of --repeats passes (the CPU here is shared), passes of
+the same tokenizer). Timings are the best of --repeats passes (a shared CPU is noisy), passes of
 the two methods interleaved. Three figures:
   plain    CausalLM forward (logits included, no cache): what "running the target" costs
   capture  capture_hidden + cast to the storage dtype + copy to host (to_host), same batches
@@ -190,7 +190,7 @@ def main():
 
     model, samples = load(args)
     n_layers, H = model.config.num_hidden_layers, model.config.hidden_size
-    aux_layers = [2, n_layers // 2, n_layers - 3]       # DESIGN.md's default
+    aux_layers = [2, n_layers // 2, n_layers - 3]       # docs/design.md's default
     lengths = [len(s.input_ids) for s in samples]
     real = sum(lengths)
     batches = shard_batches(lengths, args.shard_tokens, args.batch_tokens)

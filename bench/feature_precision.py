@@ -7,8 +7,9 @@ against the bf16 that feature datasets store, on real captured features and a tr
 Prints bytes per token at the dataset's dims and at Kimi-K2.5's; the relative error the fp8 round
 trip puts on aux and final; what it does to the teacher (the target's softmax over the draft vocab:
 top-1 agreement, KL); and the drafter's TTT loss and per-step accuracy on the same samples read
-back from bf16, with only aux in fp8, and with aux and final in fp8 (same weights, no training). fp8 is not a storage option of the
-feature dataset (yet): this measures whether it would be worth one.
+back from bf16, with only aux in fp8, and with aux and final in fp8 (same weights, no training).
+Feature datasets offer fp8 for aux only (`capture.aux_dtype=float8_e4m3fn`): final is the teacher,
+and this shows what fp8 would do to it.
 """
 from __future__ import annotations
 

@@ -30,10 +30,9 @@ def _backend(q: torch.Tensor) -> str:
     return "math"                              # e.g. fp32 on a GPU: the fused kernels need 16-bit
 
 
-# On a GPU, cuDNN's fused attention rather than torch's flash attention (FA2): on an H200 at the
-# Kimi-size drafter's 64 x 128 heads, forward + backward of one causal block took 0.64 against
-# 1.06 ms at 2048 rows and 1.94 against 3.46 ms at 4096 (bench/attention_speed.py, which also
-# checks that both backwards agree given the same out and lse, as `_Attention` feeds them).
+# On a GPU, cuDNN's fused attention rather than torch's flash attention (FA2): faster at the
+# Kimi-size drafter's 64 x 128 heads (docs/perf.md; bench/attention_speed.py times both and checks
+# that both backwards agree given the same out and lse, as `_Attention` feeds them).
 # Its lse is [B, n, Tq, 1]; both keep out in [B, Tq, n, d] memory.
 
 
@@ -89,8 +88,7 @@ class _Attention(torch.autograd.Function):
     read their gradients in that memory layout (their [B, n, T, d] tensors are transposed views of
     it), and so do rope's output and the o projection's input. Merging in [B, n, T, d] memory
     instead made the kernel's wrapper, the o projection and rope's compiled backward each copy out
-    or dOut into the other layout: 40 copies per unroll, about 1.9 ms of a Kimi-size step on an
-    H200 (docs/perf.md)."""
+    or dOut into the other layout: 40 copies per unroll."""
 
     @staticmethod
     def forward(ctx, q, k, v, *extra):

@@ -38,9 +38,8 @@ _RECOMPILE_LIMIT = 64
 # of the model (hidden, vocab, heads, head_dim), fixed for a run, never a count of tokens or rows.
 # Compiled as a constant it turns the kernels' per-element row and column index math (x // W,
 # x % W: the broadcast of a row statistic, the gathered teacher rows) from divisions by a runtime
-# value into multiplies. On an H200 that alone took a Kimi-size step at 4096 tokens from 295.9 to
-# 286.7 ms, and the soft cross-entropy's row scaling from 1.64 to 0.92 ms (docs/perf.md). A new
-# width compiles a new graph, as a new model would anyway.
+# value into multiplies (the gain is in docs/perf.md). A new width compiles a new graph, as a new
+# model would anyway.
 
 
 def set_enabled(flag: Optional[bool]) -> Optional[bool]:

@@ -9,16 +9,15 @@ parameter holds `master` (its fp32 weight), `exp_avg` and `exp_avg_sq` (fp32, sh
 eagle3/fused.py) reads the bf16 gradient, updates master and moments in fp32 and writes the
 parameter as the master rounded to bf16: per weight, master 4 + 4, moments 8 + 8, gradient 2 and
 parameter 2 = 28 bytes, with no other pass over weights or gradients. (fp32 parameters under
-autocast need their gradients widened to fp32 in a pass of their own, 2-4 ms of a Kimi-size step
-on an H200, then read 4-byte gradients here and in the norm, and need a bf16 copy of each weight
-for the forward.) Gradients of micro-batches add up in bf16 in .grad, as the GEMMs already sum
+autocast need their gradients widened to fp32 in a pass of their own, then read 4-byte gradients
+here and in the norm, and need a bf16 copy of each weight for the forward.) Gradients of micro-batches add up in bf16 in .grad, as the GEMMs already sum
 the TTT steps' contributions to each weight in bf16.
 
 fp32 parameters (fp32 and fp16 runs, DeepSpeed's flat partitions) are updated in place, with no
 master. The math is torch's AdamW (decoupled weight decay, bias corrections) and the state dict is
 torch.optim.AdamW's, plus `master`: a run resumes across the two with fp32 parameters. A bf16
-parameter whose loaded state has no master (a checkpoint written with fp32 parameters, before
-masters existed) starts its master from the loaded weight, i.e. rounded to bf16."""
+parameter whose loaded state has no master (a checkpoint written with fp32 parameters) starts its
+master from the loaded weight, i.e. rounded to bf16."""
 from __future__ import annotations
 
 from typing import Iterable, Optional
@@ -122,8 +121,8 @@ def clip_grad_norm(optimizer: torch.optim.Optimizer, params: Iterable[torch.nn.P
 
     The norm is taken in fp32 whatever the gradients' dtype: torch's on bf16 gradients is a bf16
     number (3 significant digits). Our AdamW takes the factor inside its own pass (`grad_factor`)
-    instead of a separate pass over the gradients (-0.9 ms of a 183 ms step of the Kimi-size
-    drafter, docs/perf.md). Other optimizers get the gradients scaled in place. (Under DeepSpeed
+    instead of a separate pass over the gradients. Other optimizers get the gradients scaled in
+    place. (Under DeepSpeed
     train.py does not call this: DeepSpeed clips by itself.)"""
     opt = getattr(optimizer, "optimizer", optimizer)           # accelerate's AcceleratedOptimizer
     grads = [p.grad for p in params if p.grad is not None]

@@ -3,7 +3,7 @@
 Training-time test runs the drafter's one layer and its lm_head S times (eagle3/loss.py), so each
 of those weights gets S gradient contributions. Plain autograd writes each contribution as its
 own weight-sized tensor and adds them one by one: S writes plus S-1 read-read-write passes over
-every weight (7.2 ms of a 177 ms Kimi-size step on an H200, docs/perf.md). Here the weight is cast
+every weight. Here the weight is cast
 to the compute dtype once per unroll (`reuse`), every use goes through `linear`, and each use's
 backward adds its contribution into ONE buffer with the GEMM itself (addmm_, beta = 1): S GEMMs,
 the first writing and the rest reading and writing the buffer, and nothing else. The cast's own
@@ -13,9 +13,8 @@ the sum to the weight.
 The buffer is in the compute dtype. Under bf16 mixed precision the weights are bf16 themselves
 (train.py; their fp32 masters live in eagle3/optim.AdamW's state), so the cast is a view and the
 sum is the weight's gradient as it is. An fp32 weight under autocast (an fp16 run) gets the sum
-widened to fp32 once, as a compiled kernel on a GPU (`_widen`: torch's own cast of those
-gradients ran at about 1.8 TB/s, 3.9 ms of a Kimi-size step on an H200). (Having cuBLAS write and
-sum fp32 itself, `out_dtype`, made those GEMMs 4.1 ms slower, as much as the casts it saves:
+widened to fp32 once, as a compiled kernel on a GPU (`_widen`, faster than torch's cast). (Having
+cuBLAS write and sum fp32 itself, `out_dtype`, slows those GEMMs by as much as the casts it saves:
 docs/perf.md.)
 
 The token embedding's part of q/k/v is such a tensor too (`shared`): every TTT step reads a window
@@ -25,8 +24,7 @@ whole tensor and add those up.
 
 `linear(x, w, add=y)` adds y inside the GEMM (cuBLAS's epilogue reads it): the residual adds of
 the layer and the window of q/k/v's token part, each otherwise a pass of its own that reads two
-[T, N] tensors and writes a third (21 such passes per unroll, about 1.5 ms of a Kimi-size step at
-4096 tokens on an H200 by its profile, docs/perf.md).
+[T, N] tensors and writes a third (21 such passes per unroll).
 
 Same math as F.linear everywhere; the sum is only rounded differently (once per GEMM into the
 buffer's dtype). tests/test_loss.py checks every gradient of the unrolled loss against a naive
@@ -142,8 +140,7 @@ def shared(x: torch.Tensor) -> Reused:
 def window(x: Reused, start: int, length: int) -> torch.Tensor:
     """x.weight[:, start:start + length] (a view). Its gradient goes into ONE buffer of x's shape
     for all windows; autograd would give each window's use a zero-filled x-sized gradient and add
-    those up (the tokens' q/k/v part, [B, T+S-1, N]: about 1 ms of a Kimi-size step on an H200,
-    docs/perf.md)."""
+    those up (the tokens' q/k/v part, [B, T+S-1, N])."""
     return _Window.apply(x.weight, start, length, x.grad)
 
 

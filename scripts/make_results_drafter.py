@@ -5,8 +5,8 @@
 The repository takes files of at most 5 MB and 25 MB in all. A drafter's largest tensor is lm_head
 (draft vocab x 576 in bf16: 18.9 MB at 16,384), so the draft vocabulary is cut to the --keep most
 frequent answer tokens (eagle3.export.prune_draft_vocab: kept logits unchanged), counted on the
-ShareGPT first-turn answers of SpecForge's prompt selection (the counts of the regenerated answers
-it was trained on stayed on the GPU machine). The export is then resharded into <= 5 MB files; the
+ShareGPT first-turn answers of SpecForge's prompt selection (available from the ShareGPT package
+alone, without the regenerated answers the drafter was trained on). The export is then resharded into <= 5 MB files; the
 sglang directory differs only in config.json (its aux-layer ids), so its shards are links to the
 vllm ones and the weights are stored once.
 """
