@@ -1,4 +1,4 @@
-"""The committed SmolLM2 drafter (results/smollm2-drafter, issue 9): small files, both engines' ids
+"""The committed SmolLM2 drafter (results/smollm2-drafter): small files, both engines' ids
 right for the target, the two directories the same weights.
 
 Its acceptance is measured by evaluate.py (docs/results.md); here only what can go wrong silently:

@@ -1,0 +1,264 @@
+"""Reproduce the SmolLM2 figures of docs/results.md and the scale-out rows of docs/perf.md on your GPUs.
+
+    python scripts/reproduce_smollm2.py --work /data/repro                        # every visible GPU
+    python scripts/reproduce_smollm2.py --work /data/repro --gpus 2 --only regen_all,long_b32_e10_g32
+    python scripts/reproduce_smollm2.py --work /data/repro --answers answers.jsonl --only long_b32_e10_g32
+    python scripts/reproduce_smollm2.py --work /data/repro --list                 # the commands, nothing run
+    python scripts/reproduce_smollm2.py --work /tmp/dry --dry-run                 # the same graph on CPU, tiny sizes
+
+Each job is a plain command of this repository (print them with --list), logged to WORK/logs/NAME.log,
+its run directory WORK/runs/NAME:
+    regen_peer     SmolLM2's own answers to the first 8,000 short ShareGPT first turns
+    regen_all      SmolLM2's own answers to every ShareGPT user turn (--regen-minutes: stop in time;
+                   rerun to go on)
+    peer_*         the same work as SpecForge's run (conf/experiment/smollm2_peer.yaml), its recipe
+                   and our changes to it (lr, TTT 1, the original ShareGPT answers)
+    scale_*        one epoch over the conversations holding the first 8k / 20k prompts, and all of
+                   them; scale_all_warm: lm_head and norm started from the target's
+    long_*         several epochs over all answers; long_b32_e10_g32 is the committed drafter's recipe
+    eval_*         evaluate.py per group (--eval-backend, default vllm; the docs' tau are vLLM's)
+    zero3_*        (2+ GPUs) ZeRO-3 on 2 GPUs against 1, same global batch, tiny target
+    kimi_zero3_*   (2+ GPUs) the Kimi-size drafter (conf/experiment/kimi_dims.yaml) under ZeRO-3,
+                   1 GPU against 2: losses, tokens/s and memory per GPU
+A job starts once its dependencies have finished; at most --per-gpu jobs share a GPU, and timed jobs
+run alone on theirs. WORK/status.json says what ran, for how long, and how it ended. Rerunning skips
+jobs already done; --only runs a subset (a dependency left out counts as done; the scale and long
+runs then need --answers, a regenerated-answers file from regen_all).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, List, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+
+
+@dataclass
+class Job:
+    name: str
+    cmd: Callable[[], List[str]] | List[str]    # a callable is built when the job starts
+    deps: List[str] = field(default_factory=list)
+    gpus: int = 1                                 # 1: the freest GPU; 0: every GPU; 2: two GPUs
+    exclusive: bool = False                       # alone on its GPUs (its timings are reported)
+    after: List[str] = field(default_factory=list)  # jobs that must have ended, well or not
+    state: str = "wait"                           # wait | run | ok | fail
+    proc: Optional[subprocess.Popen] = None
+    gpu_ids: List[int] = field(default_factory=list)
+    t0: float = 0.0
+    t1: float = 0.0
+
+
+def prompts_prefix(answers: Path, n_prompts: int) -> int:
+    """How many conversations, from the start of the file, hold n_prompts answered user turns."""
+    total = 0
+    with open(answers) as f:
+        for i, line in enumerate(f, 1):
+            total += sum(m["role"] == "assistant" for m in json.loads(line)["messages"])
+            if total >= n_prompts:
+                return i
+    return 0
+
+
+PEER = {"peer_specforge_recipe": [],                        # lr 1e-4: exactly SpecForge's settings
+        "peer_lr3e-4": ["optim.lr=3e-4"],
+        "peer_lr1e-3": ["optim.lr=1e-3"],
+        "peer_lr1e-3_ttt1": ["optim.lr=1e-3", "train.ttt_steps=1"],
+        "peer_lr1e-3_original": ["optim.lr=1e-3", "capture.regenerate=false"]}
+SCALE = {"scale_8k": 8000, "scale_20k": 20000, "scale_all": 0}     # prompts (0: all of them), one epoch
+LONG = {"scale_all_warm": ["drafter.head_from_target=true"],
+        "long_b128": ["train.batch_size=128", "optim.lr=3e-3", "train.epochs=3"],
+        "long_b64": ["train.batch_size=64", "optim.lr=2e-3", "train.epochs=3"],
+        "long_b64_e5": ["train.batch_size=64", "optim.lr=2e-3", "train.epochs=5"],
+        "long_b64_e10_g32": ["train.batch_size=64", "optim.lr=2e-3", "train.epochs=10", "train.length_groups=32"],
+        "long_b32_e10_g32": ["train.batch_size=32", "optim.lr=1.5e-3", "train.epochs=10",   # the committed drafter
+                             "train.length_groups=32"]}
+
+
+def build_jobs(work: Path, dry: bool, gpus: int, regen_minutes: float = 0.0, regen_chunk: int = 4096,
+               answers: Optional[Path] = None, eval_backend: str = "vllm") -> List[Job]:
+    tiny = (["target=tiny_llama", "aux_layers=[2,3,4]", "data.num_samples=24", "train.steps=4",
+             "train.batch_size=4", "drafter.draft_vocab_size=512", "capture.regen_max_new_tokens=8",
+             "capture.regen_batch_size=8", "data.max_length=256"] if dry else [])
+    ev_tiny = ["eval.num_prompts=2", "eval.max_new_tokens=8"] if dry else []
+    runs = work / "runs"
+
+    def regen(exp, *over):
+        return [PY, "-m", "capture", f"+experiment={exp}", "capture.regenerate_only=true", *over, *tiny]
+
+    def train(exp, name, *over):
+        return [PY, "train.py", f"+experiment={exp}", f"run_dir={runs / name}", "train.wandb=false", *over, *tiny]
+
+    def answers_path() -> Path:
+        return answers or _answers_from_log(work / "logs" / "regen_all.log")
+
+    def on_answers(n_prompts: int) -> List[str]:
+        path = answers_path()
+        n = prompts_prefix(path, n_prompts) if n_prompts else 0
+        if n_prompts and not n:
+            raise RuntimeError(f"{path} holds fewer than {n_prompts} answered prompts")
+        return ["data.source=jsonl", f"data.path={path}", f"data.num_samples={n}", "capture.regenerate=false"]
+
+    def scale_train(name, n_prompts, *over):
+        return lambda: train("smollm2_scale", name, *on_answers(n_prompts // 1000 if dry else n_prompts), *over)
+
+    def evaluate(exp, group, names, prompts, data=lambda: []):
+        return lambda: [PY, "evaluate.py", f"+experiment={exp}", f"eval.backend={eval_backend}",
+                        f"run_dir={runs / group}", "eval.drafters=[" + ",".join(str(runs / n) for n in names) + "]",
+                        f"eval.prompts=[{prompts}]", *data(), *tiny, *ev_tiny]
+
+    # regen_all shares its GPUs with trainings; the 2-GPU checks go first (they are short)
+    jobs = [Job("regen_peer", regen("smollm2_peer"), gpus=0, exclusive=True),
+            Job("regen_all", regen("smollm2_scale", f"capture.regen_minutes={regen_minutes}",
+                                   f"capture.regen_chunk={regen_chunk}"), deps=["regen_peer"], gpus=0,
+                after=["zero3_2gpu", "kimi_zero3_2gpu"] if gpus >= 2 else [])]
+    jobs += [Job(n, train("smollm2_peer", n, *o), deps=["regen_peer"]) for n, o in PEER.items()]
+    jobs += [Job(n, scale_train(n, k), deps=["regen_all"]) for n, k in SCALE.items()]
+    jobs += [Job(n, scale_train(n, 0, *o), deps=["regen_all"]) for n, o in LONG.items()]
+    jobs += [Job("eval_peer", evaluate("smollm2_peer", "eval_peer", list(PEER), "mt_bench"), deps=list(PEER)),
+             Job("eval_scale", evaluate("smollm2_scale", "eval_scale", list(SCALE), "mt_bench"), deps=list(SCALE)),
+             Job("eval_long", evaluate("smollm2_scale", "eval_long", list(LONG), "mt_bench,mt_bench_2turn,sharegpt_heldout",
+                                       lambda: on_answers(0)[:2]), deps=list(LONG))]
+    if gpus >= 2:
+        base = ["+experiment=tiny", f"data.features_dir={work / 'features_tiny'}", "train.steps=20",
+                "train.batch_size=8", "train.wandb=false", "dist=zero3"]
+        launch = [PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port"]
+        jobs.append(Job("zero3_1gpu", [PY, "train.py", *base, f"run_dir={runs / 'zero3_1gpu'}"]))
+        jobs.append(Job("zero3_2gpu", [*launch, "29611", "train.py", *base, f"run_dir={runs / 'zero3_2gpu'}"],
+                        deps=["zero3_1gpu"], gpus=2))
+        # eager, so that no compiling falls inside the timed steps
+        kimi = ["+experiment=kimi_dims", "train.compile=false"]
+        jobs.append(Job("kimi_zero3_1gpu", [PY, "train.py", *kimi, f"run_dir={runs / 'kimi_zero3_1gpu'}"],
+                        exclusive=True))
+        jobs.append(Job("kimi_zero3_2gpu", [*launch, "29612", "train.py", *kimi, f"run_dir={runs / 'kimi_zero3_2gpu'}"],
+                        deps=["kimi_zero3_1gpu"], gpus=2, exclusive=True))
+    return jobs
+
+
+def _answers_from_log(log: Path) -> Path:
+    if log.exists():
+        for line in log.read_text().splitlines()[::-1]:
+            if line.startswith("[capture] regenerated conversations: "):
+                return Path(line.split(": ", 1)[1].strip())
+    raise RuntimeError(f"no answer file: regen_all has not run ({log}); give one with --answers")
+
+
+def run(jobs: List[Job], work: Path, gpus: int, per_gpu: int) -> None:
+    status_path = work / "status.json"
+    slots = [per_gpu] * max(gpus, 1)             # free job slots per GPU
+    start = time.time()
+
+    def save():
+        status_path.write_text(json.dumps({j.name: {"state": j.state, "gpus": j.gpu_ids,
+                                                    "start_s": round(j.t0 - start, 1) if j.t0 else None,
+                                                    "secs": round((j.t1 or time.time()) - j.t0, 1) if j.t0 else None}
+                                           for j in jobs}, indent=1))
+
+    def cost(j):
+        return per_gpu if j.exclusive else 1
+
+    while any(j.state in ("wait", "run") for j in jobs):
+        for j in jobs:
+            if j.state == "run" and j.proc.poll() is not None:
+                j.state, j.t1 = ("ok" if j.proc.returncode == 0 else "fail"), time.time()
+                for g in j.gpu_ids:
+                    slots[g] += cost(j)
+                print(f"[reproduce] {j.name} {j.state} after {j.t1 - j.t0:.0f}s", flush=True)
+        states = {j.name: j.state for j in jobs}
+        for j in jobs:
+            if j.state != "wait":
+                continue
+            if any(states.get(d) == "fail" for d in j.deps):
+                j.state = "fail"
+                print(f"[reproduce] {j.name} skipped: a dependency failed", flush=True)
+                continue
+            if not all(states.get(d, "ok") == "ok" for d in j.deps) or \
+                    any(states.get(d) in ("wait", "run") for d in j.after):
+                continue
+            n = len(slots)
+            want = n if j.gpus == 0 else min(j.gpus, n)
+            order = sorted(range(n), key=lambda k: -slots[k])[:want]
+            if len(order) < want or any(slots[g] < cost(j) for g in order):
+                continue
+            ids = sorted(order)
+            try:
+                cmd = j.cmd() if callable(j.cmd) else j.cmd
+            except Exception as e:                # noqa: BLE001 - a job that cannot even be built fails alone
+                j.state = "fail"
+                print(f"[reproduce] {j.name} failed to start: {e}", flush=True)
+                continue
+            for g in ids:
+                slots[g] -= cost(j)
+            # CPU threads shared out: every process defaults to all cores, and a dozen of them on one
+            # host spend their start-up fighting over the CPUs
+            threads = max(1, (os.cpu_count() or 2) // (per_gpu * max(gpus, 1)))
+            env = dict(os.environ, PYTHONUNBUFFERED="1", WANDB_MODE="disabled",
+                       OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
+            if gpus:
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, ids))
+            log = open(work / "logs" / f"{j.name}.log", "w")
+            log.write(shlex.join(cmd) + "\n")
+            log.flush()
+            j.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+            j.state, j.gpu_ids, j.t0 = "run", ids, time.time()
+            print(f"[reproduce] {j.name} started on {ids}", flush=True)
+            states[j.name] = "run"
+        save()
+        time.sleep(2)
+    save()
+    print("[reproduce] finished:", {j.name: j.state for j in jobs}, flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--work", type=Path, required=True, help="logs, status.json and runs/ go here")
+    ap.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: every visible one)")
+    ap.add_argument("--per-gpu", type=int, default=4, help="jobs sharing one GPU at most")
+    ap.add_argument("--only", default="", help="comma-separated job names (and nothing else)")
+    ap.add_argument("--answers", type=Path, help="scale_* and long_* train on this answer file instead of regen_all's")
+    ap.add_argument("--regen-minutes", type=float, default=0.0, help="regen_all: time limit (0 = none)")
+    ap.add_argument("--regen-chunk", type=int, default=4096, help="regen_all: conversations answered together")
+    ap.add_argument("--eval-backend", default="vllm", choices=["vllm", "hf", "sglang"])
+    ap.add_argument("--list", action="store_true", help="print each job's command and exit")
+    ap.add_argument("--dry-run", action="store_true", help="tiny target and sizes: the whole graph on a CPU")
+    args = ap.parse_args()
+    if args.gpus is None:
+        import torch
+        args.gpus = torch.cuda.device_count()
+    work = args.work.resolve()
+    (work / "logs").mkdir(parents=True, exist_ok=True)
+    jobs = build_jobs(work, args.dry_run, args.gpus, args.regen_minutes, args.regen_chunk, args.answers,
+                      args.eval_backend)
+    if args.only:
+        keep = set(args.only.split(","))
+        unknown = keep - {j.name for j in jobs}
+        if unknown:
+            ap.error(f"unknown jobs {sorted(unknown)}; jobs: {', '.join(j.name for j in jobs)}")
+        jobs = [j for j in jobs if j.name in keep]
+    if args.list:
+        for j in jobs:
+            try:
+                cmd = shlex.join(j.cmd() if callable(j.cmd) else j.cmd)
+            except RuntimeError:
+                cmd = "(needs --answers or regen_all's answer file)"
+            print(f"{j.name}: {cmd}")
+        return
+    status_path = work / "status.json"
+    done = {k for k, v in json.loads(status_path.read_text()).items() if v["state"] == "ok"} \
+        if status_path.exists() else set()
+    for j in jobs:
+        if j.name in done:
+            j.state = "ok"
+    run(jobs, work, args.gpus, args.per_gpu)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""scripts/reproduce_smollm2.py on the CPU with tiny sizes (--dry-run): the job graph is whole, the
+committed drafter's job runs the recipe docs/results.md states, and a job trains and exports."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+from reproduce_smollm2 import build_jobs  # noqa: E402
+
+
+def run(*args):
+    env = dict(os.environ, OMP_NUM_THREADS="2", WANDB_MODE="disabled")
+    p = subprocess.run([sys.executable, "scripts/reproduce_smollm2.py", *args], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, f"{args} failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+    return p.stdout
+
+
+def answers_file(path: Path) -> Path:
+    with open(path, "w") as f:
+        for i in range(40):
+            f.write(json.dumps({"id": f"c{i}", "messages": [
+                {"role": "user", "content": f"question {i}: " + "tell me about the number %d " % i * 3},
+                {"role": "assistant", "content": "the number %d is one more than %d. " % (i, i - 1) * 4}]}) + "\n")
+    return path
+
+
+def test_every_dependency_is_a_job_and_the_committed_recipe_is_the_documented_one(tmp_path):
+    answers = answers_file(tmp_path / "answers.jsonl")
+    for gpus in (1, 2):
+        jobs = {j.name: j for j in build_jobs(tmp_path, False, gpus, answers=answers)}
+        assert all(d in jobs for j in jobs.values() for d in j.deps + j.after)
+    cmd = jobs["long_b32_e10_g32"].cmd()
+    for arg in ("+experiment=smollm2_scale", "data.source=jsonl", f"data.path={answers}", "data.num_samples=0",
+                "capture.regenerate=false", "train.batch_size=32", "optim.lr=1.5e-3", "train.epochs=10",
+                "train.length_groups=32"):
+        assert arg in cmd
+    assert {"zero3_2gpu", "kimi_zero3_2gpu"} <= set(jobs)
+
+
+def test_dry_run_trains_and_exports_a_job(tmp_path):
+    answers = answers_file(tmp_path / "answers.jsonl")
+    work = tmp_path / "work"
+    listed = run("--work", str(work), "--dry-run", "--gpus", "0", "--only", "long_b32_e10_g32,eval_long",
+                 "--answers", str(answers), "--list")
+    assert "long_b32_e10_g32: " in listed and "evaluate.py" in listed
+    run("--work", str(work), "--dry-run", "--gpus", "0", "--only", "long_b32_e10_g32", "--answers", str(answers))
+    status = json.loads((work / "status.json").read_text())
+    assert status["long_b32_e10_g32"]["state"] == "ok"
+    assert (work / "runs" / "long_b32_e10_g32" / "export" / "vllm" / "config.json").exists()
