@@ -13,8 +13,8 @@ its run directory WORK/runs/NAME:
                    rerun to go on)
     peer_*         the same work as SpecForge's run (conf/experiment/smollm2_peer.yaml), its recipe
                    and our changes to it (lr, TTT 1, the original ShareGPT answers)
-    scale_*        one epoch over the conversations holding the first 8k / 20k prompts, and all of
-                   them; scale_all_warm: lm_head and norm started from the target's
+    scale_*        one epoch over the first conversations holding 8k / 20k / 30k / 55k prompts;
+                   scale_55k_warm: lm_head and norm started from the target's
     long_*         several epochs over all answers; long_b32_e10_g32 is the committed drafter's recipe
     eval_*         evaluate.py per group (--eval-backend, default vllm; the docs' tau are vLLM's)
     zero3_*        (2+ GPUs) ZeRO-3 on 2 GPUs against 1, same global batch, tiny target
@@ -73,8 +73,12 @@ PEER = {"peer_specforge_recipe": [],                        # lr 1e-4: exactly S
         "peer_lr1e-3": ["optim.lr=1e-3"],
         "peer_lr1e-3_ttt1": ["optim.lr=1e-3", "train.ttt_steps=1"],
         "peer_lr1e-3_original": ["optim.lr=1e-3", "capture.regenerate=false"]}
-SCALE = {"scale_8k": 8000, "scale_20k": 20000, "scale_all": 0}     # prompts (0: all of them), one epoch
-LONG = {"scale_all_warm": ["drafter.head_from_target=true"],
+# one epoch over the first conversations that hold this many answered prompts (55,085: the first
+# 16,384 conversations of the greedy answer file)
+SCALE = {"scale_8k": (8000, []), "scale_20k": (20000, []), "scale_30k": (29600, []), "scale_55k": (55085, []),
+         "scale_55k_warm": (55085, ["drafter.head_from_target=true"])}
+# several epochs over all answers
+LONG = {
         "long_b128": ["train.batch_size=128", "optim.lr=3e-3", "train.epochs=3"],
         "long_b64": ["train.batch_size=64", "optim.lr=2e-3", "train.epochs=3"],
         "long_b64_e5": ["train.batch_size=64", "optim.lr=2e-3", "train.epochs=5"],
@@ -121,7 +125,7 @@ def build_jobs(work: Path, dry: bool, gpus: int, regen_minutes: float = 0.0, reg
                                    f"capture.regen_chunk={regen_chunk}"), deps=["regen_peer"], gpus=0,
                 after=["zero3_2gpu", "kimi_zero3_2gpu"] if gpus >= 2 else [])]
     jobs += [Job(n, train("smollm2_peer", n, *o), deps=["regen_peer"]) for n, o in PEER.items()]
-    jobs += [Job(n, scale_train(n, k), deps=["regen_all"]) for n, k in SCALE.items()]
+    jobs += [Job(n, scale_train(n, k, *o), deps=["regen_all"]) for n, (k, o) in SCALE.items()]
     jobs += [Job(n, scale_train(n, 0, *o), deps=["regen_all"]) for n, o in LONG.items()]
     jobs += [Job("eval_peer", evaluate("smollm2_peer", "eval_peer", list(PEER), "mt_bench"), deps=list(PEER)),
              Job("eval_scale", evaluate("smollm2_scale", "eval_scale", list(SCALE), "mt_bench"), deps=list(SCALE)),
@@ -247,8 +251,8 @@ def main() -> None:
         for j in jobs:
             try:
                 cmd = shlex.join(j.cmd() if callable(j.cmd) else j.cmd)
-            except RuntimeError:
-                cmd = "(needs --answers or regen_all's answer file)"
+            except (RuntimeError, OSError) as e:
+                cmd = f"(needs the answer file: --answers, or regen_all first; {e})"
             print(f"{j.name}: {cmd}")
         return
     status_path = work / "status.json"
