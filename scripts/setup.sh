@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up everything on a fresh machine: bash scripts/setup.sh   (idempotent; the Makefile calls it)
-# .venv         torch 2.13.0 CPU (from this machine's disk) + vLLM's CPU build + the training stack
+# .venv         torch 2.13.0 (CPU build) + vLLM's CPU build + the training stack
 # .venv-sglang  SGLang 0.5.23's modules (its own torch 2.14.1) for the plugin/loader/server-args tests
 set -euo pipefail
 export PIP_DISABLE_PIP_VERSION_CHECK=1
