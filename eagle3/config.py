@@ -101,7 +101,7 @@ class TrainConfig:
 @dataclass
 class CaptureConfig:
     backend: str = "hf"                       # hf (in-process) | sglang (server plugin)
-    implicit: bool = True                     # train.py may capture in-process (hf) first when the feature dataset is missing
+    implicit: bool = True                     # train.py may capture a missing feature dataset first (hf backend)
     batch_tokens: int = 8192                  # hf: tokens per forward batch (padded)
     shard_tokens: int = 262144                # samples are cut into shards of about this many tokens
     dtype: str = "bfloat16"                   # feature storage dtype
