@@ -4,40 +4,42 @@
     python train.py +experiment=tiny                  # seconds
     accelerate launch --num_processes 8 train.py +experiment=kimi_k25
     python train.py +experiment=tiny resume=true      # continue exactly from the last checkpoint
+    python -m eagle3.export runs/tiny                 # export the latest checkpoint of a run cut short
 
 Setup, then one plain step loop (logging, held-out evaluation and checkpoints are `if` blocks inside
 it), then save + export + curves. Everything the run writes lives in `run_dir`.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
 import time
+from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import hydra
 import torch
+from accelerate.utils import DistributedType
 from omegaconf import OmegaConf
 
 from eagle3 import checkpoint, config as config_schema, fused
-from eagle3.engine_ids import check_aux_layers
-from eagle3.export import export_drafter
 from eagle3.data import is_heldout
-from eagle3.features import FeatureDataset, check_compatible, collate, template_sha256
-from eagle3.loss import TTTOutput, step_counts, target_teacher, ttt_loss, unigram_correct
+from eagle3.export_run import write_export
+from eagle3.features import Batch, FeatureDataset, check_compatible, collate, template_sha256
+from eagle3.loss import TTTOutput, step_counts, target_teacher, unigram_correct
 from eagle3.model import Eagle3Drafter, drafter_shape
 from eagle3.optim import adamw, clip_grad_norm
 from eagle3.plots import plot_runs
 from capture.run import capture_features
 from capture.sglang_server import free_port
-from eagle3.targets import (default_aux_layers, load_final_norm, load_head, load_tokenizer, resolve_target,
-                            target_info)
+from eagle3.targets import load_final_norm, load_head, load_tokenizer, prepare_target
+from eagle3.training import RATE_WINDOW, Logger, Objective, StepStats, eta_seconds
 from eagle3.vocab import DraftVocab, build_vocab, count_tokens
 
 config_schema.register()
-
 
 def lr_at(step: int, total: int, peak: float, warmup_fraction: float, min_fraction: float) -> float:
     """Linear warmup, then cosine to min_fraction * peak at the last step (derived from the step alone,
@@ -56,9 +58,8 @@ def batch_indices(step: int, n: int, batch_size: int, seed: int,
 
     With `lengths` [n] and groups > 1, each run of `groups` batches of the permutation is sorted by
     length before it is cut, and the epoch's batches are then shuffled: every batch holds samples
-    of similar length, so far less of it is padding (ShareGPT conversations at batch 64: 47% of
-    the padded tokens are real at random, 97% grouped by 32), while each epoch still sees every
-    sample once, in an order that is still random from batch to batch."""
+    of similar length, so far less of it is padding, while each epoch still sees every sample once,
+    in an order that is still random from batch to batch."""
     per_epoch = n // batch_size
     epoch, k = divmod(step, per_epoch)
     gen = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
@@ -70,170 +71,74 @@ def batch_indices(step: int, n: int, batch_size: int, seed: int,
     return perm[k * batch_size:(k + 1) * batch_size].tolist()
 
 
-def wandb_mode() -> str:
-    """Online only when the user is logged in; WANDB_MODE wins when set."""
-    if os.environ.get("WANDB_MODE"):
-        return os.environ["WANDB_MODE"]
-    netrc = Path.home() / ".netrc"
-    logged_in = bool(os.environ.get("WANDB_API_KEY")) or (netrc.exists() and "api.wandb.ai" in netrc.read_text())
-    return "online" if logged_in else "offline"
-
-
 @hydra.main(config_path="conf", config_name="train", version_base=None)
 def main(cfg) -> None:
-    from accelerate import Accelerator
-    from accelerate.utils import DeepSpeedPlugin
-
     c = config_schema.to_config(cfg)
     run_dir = Path(c.run_dir)
-    use_cuda = c.train.device == "cuda" or (c.train.device == "auto" and torch.cuda.is_available())
-    mixed = c.dist.mixed_precision if c.dist.mixed_precision != "auto" else ("bf16" if use_cuda else "no")
-    ds_plugin = None
-    if c.dist.deepspeed:
-        # a plain `python train.py` is a world of one; its rendezvous port is a free one, so two
-        # such runs on one machine do not collide (a fixed port did, on 2 H200s)
-        for k, v in (("MASTER_ADDR", "127.0.0.1"), ("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
-            os.environ.setdefault(k, v)
-        if "MASTER_PORT" not in os.environ:
-            os.environ["MASTER_PORT"] = str(free_port())
-        ds_plugin = DeepSpeedPlugin(zero_stage=c.dist.zero_stage, gradient_clipping=c.optim.grad_clip,
-                                    offload_optimizer_device="cpu" if c.dist.offload_optimizer else "none",
-                                    zero3_save_16bit_model=True)   # ZeRO-3: gather the weights for the export
-    acc = Accelerator(cpu=not use_cuda, mixed_precision=mixed, deepspeed_plugin=ds_plugin)
-    device, rank, world = acc.device, acc.process_index, acc.num_processes
-    is_main = acc.is_main_process
+    acc = make_accelerator(c)
+    device, rank, world, is_main = acc.device, acc.process_index, acc.num_processes, acc.is_main_process
+    use_ds = acc.distributed_type == DistributedType.DEEPSPEED
+    compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     fused.set_enabled(c.train.compile)
     torch.manual_seed(c.train.seed)
-
-    if c.export_only and checkpoint.latest(run_dir) is None:
-        sys.exit(f"error: export_only=true exports the latest checkpoint of run_dir, but {run_dir / 'checkpoints'} "
-                 f"holds none; pass the run_dir of the run that wrote them")
-    if is_main and not (c.resume or c.export_only):
+    if is_main and not c.resume:
         set_aside_previous_run(run_dir)
     acc.wait_for_everyone()
 
-    features_missing = c.train.mode == "offline" and not (Path(c.data.features_dir) / "manifest.json").exists()
+    # ---- target (config.json only; loaded whole only to capture or for online training) and data ----
+    features_dir = Path(c.data.features_dir)
+    features_missing = c.train.mode == "offline" and not (features_dir / "manifest.json").exists()
     if features_missing and not captures_in_process(c):
         sys.exit(capture_command_message(c))
-
-    # ---- target facts (config.json only; the target itself is loaded only for online training) ----
-    target_dir = resolve_target(c.target.source, c.target.path, c.target.name, c.target.arch,
-                                dict(c.target.random_config), c.target.seed)
-    info = target_info(target_dir)
-    aux_layers = check_aux_layers(list(c.aux_layers) or default_aux_layers(info.num_layers), info.num_layers)
-    compute_dtype = torch.bfloat16 if use_cuda else torch.float32
-
-    # ---- data: a feature dataset (offline) or the target in this process (online) ----
-    if c.train.mode == "offline":
-        features_dir = Path(c.data.features_dir)
-        if features_missing:
-            if is_main:
-                print(f"[train] feature dataset {features_dir} missing: capturing it in-process first")
-                capture_features(target_dir, aux_layers, c.target, c.data, c.capture, features_dir)
-            acc.wait_for_everyone()
-        ds = FeatureDataset(features_dir)
-        tok = load_tokenizer(target_dir, c.target.chat_template, c.target.trust_remote_code)
-        check_compatible(ds.manifest, {"target": {"fingerprint": info.fingerprint}, "aux_layers": aux_layers,
-                                       "hidden_size": info.hidden_size,
-                                       "tokenizer": {"chat_template_sha256": template_sha256(tok.chat_template)}},
-                         where=str(features_dir))
-        # the split is a function of the conversation id (eagle3.data.is_heldout), so it holds for any
-        # dataset of the same conversations, whatever fraction the capture was run with
-        ids = [ds.sample_id(i) for i in range(len(ds))]
-        held = [is_heldout(sid, c.data.heldout_fraction) for sid in ids]
-        train_idx = [i for i, h in enumerate(held) if not h]
-        held_idx = [i for i, h in enumerate(held) if h]
-        tokens_of = lambda i: (ds[i]["input_ids"], ds[i]["loss_mask"])  # noqa: E731
-        length_of = ds.length
-        make_batch = lambda idx: collate([ds[i] for i in idx], [ids[i] for i in idx])  # noqa: E731
-        data_desc = f"features {features_dir} ({len(train_idx)} train / {len(held_idx)} held-out samples)"
-    else:
-        from capture.online import OnlineSource   # the target runs here; nothing touches disk
-        src = OnlineSource(target_dir, c.target, c.data, c.capture, aux_layers, device, compute_dtype)
-        train_idx = list(range(len(src.train)))
-        held_idx = list(range(len(src.train), len(src.samples)))
-        tokens_of = src.tokens
-        length_of = lambda i: len(src.samples[i].input_ids)  # noqa: E731
-        make_batch = src.batch
-        data_desc = f"online target {target_dir} ({len(train_idx)} train / {len(held_idx)} held-out)"
-    if len(train_idx) < c.train.batch_size:
-        sys.exit(f"error: {len(train_idx)} training samples is fewer than train.batch_size="
+    target = prepare_target(c.target.source, c.target.path, c.target.name, c.target.arch, c.target.random_config,
+                            c.target.seed, c.aux_layers)
+    info, aux_layers = target.info, target.aux_layers
+    if features_missing:
+        if is_main:
+            print(f"[train] feature dataset {features_dir} missing: capturing it in-process first")
+            capture_features(target.dir, aux_layers, c.target, c.data, c.capture, features_dir)
+        acc.wait_for_everyone()
+    data = offline_data(c, target) if c.train.mode == "offline" else online_data(c, target, device, compute_dtype)
+    if len(data.train) < c.train.batch_size:
+        sys.exit(f"error: {len(data.train)} training samples is fewer than train.batch_size="
                  f"{c.train.batch_size}; raise data.num_samples or lower the batch size")
 
-    # ---- draft vocabulary: computed once per dataset, saved in run_dir, reused on resume ----
     vocab_path = run_dir / "vocab.safetensors"
-    if (c.resume or c.export_only) and vocab_path.exists():
-        vocab = DraftVocab.load(vocab_path)
-    else:
-        pairs = [tokens_of(i) for i in train_idx]
-        counts = count_tokens([t for t, _ in pairs], [m for _, m in pairs], info.vocab_size)
-        vocab = build_vocab(counts, min(c.drafter.draft_vocab_size, info.vocab_size))
-        if is_main:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            vocab.save(vocab_path)
+    vocab = draft_vocab(data, info.vocab_size, c.drafter.draft_vocab_size, vocab_path, c.resume, is_main)
 
     # ---- drafter, optimizer ----
-    embed, lm_head = load_head(target_dir)
-    shape = drafter_shape(info, c.drafter, num_aux=len(aux_layers), draft_vocab_size=len(vocab.d2t))
-    torch.manual_seed(c.train.seed)   # the same init whether or not this process captured or built a target first
-    drafter = Eagle3Drafter(shape)
-    drafter.set_target_embedding(embed)
-    if c.drafter.head_from_target:   # warm start: the target's own output space (its lm_head rows, final norm)
-        with torch.no_grad():
-            drafter.lm_head.weight.copy_(lm_head[vocab.draft_ids])
-            drafter.norm.weight.copy_(load_final_norm(target_dir))
-    if mixed == "bf16" and ds_plugin is None:
-        # bf16 parameters, their fp32 masters in the optimizer's state (eagle3/optim.py): the
-        # forward reads the weights as they are and the gradients stay bf16 up to the step.
-        # DeepSpeed casts the model and keeps fp32 partitions itself; fp16 runs keep fp32
-        # parameters, since the loss scaler will not unscale fp16 gradients.
-        drafter.to(torch.bfloat16)
-    lm_head = lm_head.to(device, compute_dtype)
-    vocab = vocab.to(device)
+    # DeepSpeed casts the model and keeps fp32 partitions itself (bf16_params: see build_drafter)
+    drafter, shape, lm_head = build_drafter(c, target, vocab, bf16_params=acc.mixed_precision == "bf16" and not use_ds)
+    lm_head, vocab = lm_head.to(device, compute_dtype), vocab.to(device)
     model = Objective(drafter, vocab, c.train.ttt_steps, c.train.step_decay)
-    if ds_plugin is not None and c.dist.zero_stage == 3:
-        # The loss casts the weights once per unroll (Eagle3Drafter.weights, .project) and uses
-        # them outside their own modules' forward: ZeRO-3 must gather them for the Objective's
-        # forward instead (they would be empty). The norms need it not, and it costs them nothing.
-        from deepspeed.runtime.zero.partition_parameters import register_external_parameter
-        for p in drafter.parameters():
-            if p.requires_grad:
-                register_external_parameter(model, p)
+    if use_ds and c.dist.zero_stage == 3:
+        gather_outside_forward(model, drafter)
     trainable = [p for p in drafter.parameters() if p.requires_grad]
     # DeepSpeed steps its own flat fp32 partitions with it (and clips by itself)
     optimizer = adamw(trainable, c.optim.lr, c.optim.betas, c.optim.weight_decay)
-    per_rank = c.train.batch_size // world
-    micro = c.train.micro_batch_size or per_rank
-    if per_rank * world != c.train.batch_size or per_rank % micro:
-        sys.exit(f"error: train.batch_size={c.train.batch_size} must split evenly over {world} processes "
-                 f"and micro batches of {micro}")
-    if ds_plugin is not None:
-        ds_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro
-        ds_plugin.deepspeed_config["gradient_accumulation_steps"] = per_rank // micro
+    per_rank, micro = split_batch(c.train.batch_size, c.train.micro_batch_size, world)
+    if use_ds:
+        acc.state.deepspeed_plugin.deepspeed_config.update(train_micro_batch_size_per_gpu=micro,
+                                                           gradient_accumulation_steps=per_rank // micro)
     model, optimizer = acc.prepare(model, optimizer)
-    total = c.train.steps or max(1, int(c.train.epochs * (len(train_idx) // c.train.batch_size)))
-
-    start = 0
-    if c.resume or c.export_only:
-        start = checkpoint.load_latest(acc, run_dir)
-    if c.export_only:           # the checkpoint as it is: no step, and the run's metrics and config stay
-        total = start
-    elif is_main:
+    total = c.train.steps or max(1, int(c.train.epochs * (len(data.train) // c.train.batch_size)))
+    start = checkpoint.load_latest(acc, run_dir) if c.resume else 0
+    if is_main:
         checkpoint.trim_metrics(run_dir / "metrics.jsonl", start)
         OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
     log = Logger(run_dir, is_main, c.train.wandb, cfg)
-    n_params = sum(p.numel() for p in trainable)
     if is_main:
         print(f"[train] target {info.name} ({info.model_type}, hidden {info.hidden_size}, {info.num_layers} layers) "
-              f"aux_layers {aux_layers}\n[train] {data_desc}\n[train] drafter {n_params / 1e6:.1f}M trainable "
-              f"params, draft vocab {len(vocab.d2t)} (covers {vocab.coverage:.2%} of assistant tokens), "
-              f"{total} steps x {c.train.batch_size} seqs, ttt {c.train.ttt_steps}, device {device}, world {world}")
+              f"aux_layers {aux_layers}\n[train] {data.desc}\n[train] drafter "
+              f"{sum(p.numel() for p in trainable) / 1e6:.1f}M trainable params, draft vocab {len(vocab.d2t)} "
+              f"(covers {vocab.coverage:.2%} of assistant tokens), {total} steps x {c.train.batch_size} seqs, "
+              f"ttt {c.train.ttt_steps}, device {device}, world {world}")
 
-    S = c.train.ttt_steps
-    lengths = torch.tensor([length_of(i) for i in train_idx]) if c.train.length_groups > 1 else None
+    S, shard = c.train.ttt_steps, slice(rank * per_rank, (rank + 1) * per_rank)
+    lengths = torch.tensor([data.length_of(i) for i in data.train]) if c.train.length_groups > 1 else None
     # DDP averages gradients over ranks and DeepSpeed also divides by its accumulation steps; each
     # micro-batch's loss is already its share of the global batch's loss, so undo both.
-    grad_scale = world * (per_rank // micro if ds_plugin is not None else 1)
+    grad_scale = world * (per_rank // micro if use_ds else 1)
 
     def prepare(indices):
         """This rank's micro-batches of one global batch with their teachers, and the per-step counts
@@ -241,7 +146,7 @@ def main(cfg) -> None:
         shares add up to exactly the loss a single process would compute on the global batch."""
         parts = []
         for m in range(0, len(indices), micro):
-            bt = make_batch(indices[m:m + micro]).to(device, compute_dtype)
+            bt = data.make_batch(indices[m:m + micro]).to(device, compute_dtype)
             parts.append((bt, target_teacher(bt.final, lm_head, vocab.draft_ids)))
         counts = torch.zeros(S, dtype=torch.int64, device=device)
         for bt, (_, top) in parts:
@@ -255,15 +160,15 @@ def main(cfg) -> None:
 
     # ---- the loop ----
     t0, tokens_seen, unigram = time.time(), 0, None
+    recent = deque([(start - 1, t0)], maxlen=RATE_WINDOW + 1)    # (step, when it ended): the ETA's rate
     for step in range(start, total):
         lr = lr_at(step, total, c.optim.lr, c.optim.warmup_fraction, c.optim.min_lr_fraction)
         for g in optimizer.param_groups:
             g["lr"] = lr
-        idx = batch_indices(step, len(train_idx), c.train.batch_size, c.train.seed, lengths,
-                            c.train.length_groups)[rank * per_rank:(rank + 1) * per_rank]
+        idx = batch_indices(step, len(data.train), c.train.batch_size, c.train.seed, lengths, c.train.length_groups)
         model.train()
         stats = StepStats(S)
-        parts, norm = prepare([train_idx[i] for i in idx])
+        parts, norm = prepare([data.train[i] for i in idx[shard]])
         for bt, teacher in parts:
             out = run_loss(bt, teacher, norm)
             if not torch.isfinite(out.loss):
@@ -273,52 +178,35 @@ def main(cfg) -> None:
             stats.add(out)
             tokens_seen += int(bt.attention_mask.sum())
         del parts
-        if ds_plugin is None and c.optim.grad_clip > 0:
+        if not use_ds and c.optim.grad_clip > 0:
             if acc.scaler is None:
                 clip_grad_norm(optimizer, trainable, c.optim.grad_clip)
             else:   # fp16: the loss scaler unscales the gradients itself
                 acc.clip_grad_norm_(trainable, c.optim.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        recent.append((step, time.time()))
 
         if step % c.train.log_every == 0 or step == total - 1:
             row = stats.reduce(acc, batches=1)
-            elapsed = time.time() - t0
-            mem = {"max_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30} if use_cuda else {}
+            elapsed = recent[-1][1] - t0
+            mem = {"max_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30} if device.type == "cuda" else {}
             log.write({"step": step, "split": "train", "lr": lr, **row,
-                       "tok_s": tokens_seen * world / max(elapsed, 1e-9), **mem})
-        if held_idx and (step % c.train.eval_every == 0 or step == total - 1):
+                       "tok_s": tokens_seen * world / max(elapsed, 1e-9), "eta_s": eta_seconds(recent, step, total),
+                       **mem}, total, elapsed)
+        if data.held and (step % c.train.eval_every == 0 or step == total - 1):
             model.eval()
-            hs, uni = StepStats(S), torch.zeros(2, device=device)
-            # Full global batches only (the last wraps around to the start): every rank must run the
-            # same number of forwards, since ZeRO-3 gathers the parameters collectively in each one
-            # and a rank left without samples would hang the others (seen on 2 H200s).
-            n, bs = len(held_idx), c.train.batch_size
-            batches = [[held_idx[(k + j) % n] for j in range(bs)] for k in range(0, n, bs)][:c.train.eval_batches]
-            with torch.no_grad():
-                for gb in batches:
-                    parts, norm = prepare(gb[rank * per_rank:(rank + 1) * per_rank])
-                    for bt, teacher in parts:
-                        hs.add(run_loss(bt, teacher, norm))
-                        if unigram is None:      # the always-draft-the-most-frequent-token baseline
-                            uni += torch.tensor(unigram_correct(bt.loss_mask, bt.attention_mask, teacher[1], vocab,
-                                                                int(vocab.counts.argmax())), device=device)
-            if unigram is None:
-                uni = acc.reduce(uni, reduction="sum")
-                unigram = float(uni[0] / uni[1].clamp(min=1))
-            log.write({"step": step, "split": "heldout", **hs.reduce(acc, batches=len(batches)),
-                       "unigram_acc": unigram})
+            row = heldout_eval(acc, prepare, run_loss, data.held, c.train, shard, vocab, unigram)
+            unigram = row["unigram_acc"]
+            log.write({"step": step, "split": "heldout", **row}, total)
         if (step + 1) % c.train.save_every == 0 and step + 1 < total:
             checkpoint.save(acc, run_dir, step + 1, vocab_path)
 
     # ---- save, export, curves ----
-    if not c.export_only:
-        checkpoint.save(acc, run_dir, total, vocab_path)
+    checkpoint.save(acc, run_dir, total, vocab_path)
     full = acc.get_state_dict(model)   # ZeRO-3: gathered by every rank, returned on the main one only
     if is_main:
-        state = drafter.to_engine_names({k.removeprefix("drafter."): v for k, v in full.items()})
-        exports = export_drafter(run_dir / "export", state, shape, vocab.d2t, vocab.t2d, aux_layers,
-                                 info.model_type, info.name, info.fingerprint)
+        exports = write_export(run_dir, full, shape, vocab, target)
         curves = plot_runs([run_dir], run_dir / "curves.png")
         log.close()
         print(f"[train] done in {time.time() - t0:.0f}s\n[train] export: {exports['sglang']}  {exports['vllm']}\n"
@@ -327,87 +215,150 @@ def main(cfg) -> None:
     acc.end_training()
 
 
-class Objective(torch.nn.Module):
-    """The drafter and its TTT loss as one forward, so DDP and DeepSpeed wrappers see a forward call.
-    The target's lm_head [V, Ht] is an argument, not a parameter: frozen, never saved."""
+def make_accelerator(c):
+    """accelerate's Accelerator for train.device and dist.*: DeepSpeed ZeRO when dist.deepspeed (accelerate
+    runs DeepSpeed on GPUs only; a CPU run is a plain one)."""
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin
 
-    def __init__(self, drafter: Eagle3Drafter, vocab: DraftVocab, ttt_steps: int, decay: float):
-        super().__init__()
-        self.drafter, self.vocab, self.ttt_steps, self.decay = drafter, vocab, ttt_steps, decay
-
-    def forward(self, input_ids, loss_mask, attention_mask, aux, final, lm_head, teacher=None, norm=None):
-        out = ttt_loss(self.drafter, input_ids, loss_mask, attention_mask, aux, final, lm_head, self.vocab,
-                       ttt_steps=self.ttt_steps, decay=self.decay, teacher=teacher, norm=norm)
-        # a plain tuple: ZeRO-3's backward hooks find tensors only in tuples, lists and dicts
-        return out.loss, out.per_step_loss, out.correct, out.count, out.accepted, out.chained
-
-
-class StepStats:
-    """Sums of loss shares, per-TTT-step correct/count and chain acceptance (eagle3.loss: what an
-    engine would accept) over micro batches, reduced over processes."""
-
-    def __init__(self, ttt_steps: int):
-        self.loss = 0.0
-        self.correct = torch.zeros(ttt_steps, dtype=torch.float64)
-        self.count = torch.zeros(ttt_steps, dtype=torch.float64)
-        self.accepted = torch.zeros(ttt_steps, dtype=torch.float64)
-        self.chained = torch.zeros(1, dtype=torch.float64)
-
-    def add(self, out) -> None:
-        self.loss += float(out.loss.detach())
-        self.correct += out.correct.detach().to("cpu", torch.float64)
-        self.count += out.count.detach().to("cpu", torch.float64)
-        self.accepted += out.accepted.detach().to("cpu", torch.float64)
-        self.chained += float(out.chained)
-
-    def reduce(self, acc, batches: int) -> dict:
-        """batches: how many global batches the shares cover (their losses are averaged).
-        accept[s]: the share of chains accepted through draft position s; tau3 = 1 + accept[0..2]
-        estimates tau at a chain of 3 (eagle3.loss's module doc says when it holds)."""
-        t = torch.cat([torch.tensor([self.loss], dtype=torch.float64), self.correct, self.count, self.accepted,
-                       self.chained])
-        t = acc.reduce(t.to(acc.device), reduction="sum").cpu()
-        k = len(self.correct)
-        correct, count, accepted, chained = t[1:1 + k], t[1 + k:1 + 2 * k], t[1 + 2 * k:1 + 3 * k], t[-1]
-        accept = [float(a) for a in accepted / chained.clamp(min=1)]
-        return {"loss": float(t[0]) / max(batches, 1),
-                "acc": [float(a) for a in (correct / count.clamp(min=1))],
-                "tokens": int(count[0]), "accept": accept, "tau3": 1 + sum(accept[:3])}
+    use_cuda = c.train.device == "cuda" or (c.train.device == "auto" and torch.cuda.is_available())
+    mixed = c.dist.mixed_precision if c.dist.mixed_precision != "auto" else ("bf16" if use_cuda else "no")
+    plugin = None
+    if c.dist.deepspeed:
+        # a plain `python train.py` is a world of one; its rendezvous port is a free one, so two
+        # such runs on one machine do not collide
+        for k, v in (("MASTER_ADDR", "127.0.0.1"), ("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+            os.environ.setdefault(k, v)
+        if "MASTER_PORT" not in os.environ:
+            os.environ["MASTER_PORT"] = str(free_port())
+        plugin = DeepSpeedPlugin(zero_stage=c.dist.zero_stage, gradient_clipping=c.optim.grad_clip,
+                                 offload_optimizer_device="cpu" if c.dist.offload_optimizer else "none",
+                                 zero3_save_16bit_model=True)   # ZeRO-3: gather the weights for the export
+    acc = Accelerator(cpu=not use_cuda, mixed_precision=mixed, deepspeed_plugin=plugin)
+    if plugin is not None and acc.distributed_type != DistributedType.DEEPSPEED and acc.is_main_process:
+        print("[train] dist.deepspeed=true needs GPUs: this CPU run trains without DeepSpeed")
+    return acc
 
 
-class Logger:
-    """metrics.jsonl (what the plots read) and wandb, on the main process only."""
+@dataclass
+class Data:
+    """The training samples, offline or online, as indices into one sample space and functions of them."""
+    train: list[int]
+    held: list[int]
+    tokens_of: Callable[[int], tuple]           # i -> (input_ids, loss_mask), for the draft vocabulary
+    length_of: Callable[[int], int]             # i -> tokens, for batches of similar length
+    make_batch: Callable[[list[int]], Batch]
+    desc: str
 
-    def __init__(self, run_dir: Path, enabled: bool, use_wandb: bool, cfg):
-        self.enabled, self.wandb = enabled, None
-        if not enabled:
-            return
-        run_dir.mkdir(parents=True, exist_ok=True)
-        self.file = open(run_dir / "metrics.jsonl", "a")
-        if use_wandb:
-            import wandb
-            self.wandb = wandb.init(project="eagle3", dir=str(run_dir), mode=wandb_mode(),
-                                    name=run_dir.name, config=OmegaConf.to_container(cfg, resolve=True))
 
-    def write(self, row: dict) -> None:
-        if not self.enabled:
-            return
-        self.file.write(json.dumps(row) + "\n")
-        self.file.flush()
-        lists = ("acc", "accept")
-        msg = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items() if k not in lists)
-        print(f"[{row['split']}] {msg} " + " ".join(f"{k}=[{', '.join(f'{a:.3f}' for a in row[k])}]"
-                                                   for k in lists if k in row), flush=True)
-        if self.wandb is not None:
-            flat = {f"{row['split']}/{k}": v for k, v in row.items() if k not in ("split", "step", *lists)}
-            flat.update({f"{row['split']}/{k}_{s}": a for k in lists for s, a in enumerate(row.get(k, []))})
-            self.wandb.log(flat, step=row["step"])
+def offline_data(c, target) -> Data:
+    """The feature dataset at data.features_dir, checked against the target, aux layers and chat template."""
+    features_dir = Path(c.data.features_dir)
+    ds = FeatureDataset(features_dir)
+    tok = load_tokenizer(target.dir, c.target.chat_template, c.target.trust_remote_code)
+    check_compatible(ds.manifest, {"target": {"fingerprint": target.info.fingerprint}, "aux_layers": target.aux_layers,
+                                   "hidden_size": target.info.hidden_size,
+                                   "tokenizer": {"chat_template_sha256": template_sha256(tok.chat_template)}},
+                     where=str(features_dir))
+    # the split is a function of the conversation id (eagle3.data.is_heldout), so it holds for any
+    # dataset of the same conversations, whatever fraction the capture was run with
+    ids = [ds.sample_id(i) for i in range(len(ds))]
+    held = [is_heldout(sid, c.data.heldout_fraction) for sid in ids]
+    train_idx = [i for i, h in enumerate(held) if not h]
+    held_idx = [i for i, h in enumerate(held) if h]
+    return Data(train_idx, held_idx, lambda i: (ds[i]["input_ids"], ds[i]["loss_mask"]), ds.length,
+                lambda idx: collate([ds[i] for i in idx], [ids[i] for i in idx]),
+                f"features {features_dir} ({len(train_idx)} train / {len(held_idx)} held-out samples)")
 
-    def close(self) -> None:
-        if self.enabled:
-            self.file.close()
-            if self.wandb is not None:
-                self.wandb.finish()
+
+def online_data(c, target, device, dtype) -> Data:
+    """The target itself, in this process: features are computed per batch and nothing touches disk."""
+    from capture.online import OnlineSource
+
+    src = OnlineSource(target.dir, c.target, c.data, c.capture, target.aux_layers, device, dtype)
+    n_train = len(src.train)
+    return Data(list(range(n_train)), list(range(n_train, len(src.samples))), src.tokens,
+                lambda i: len(src.samples[i].input_ids), src.batch,
+                f"online target {target.dir} ({n_train} train / {len(src.samples) - n_train} held-out)")
+
+
+def draft_vocab(data: Data, vocab_size: int, draft_size: int, path: Path, resume: bool,
+                is_main: bool) -> DraftVocab:
+    """The draft vocabulary: the most frequent assistant tokens of the training samples, computed once
+    per dataset and saved in run_dir (the main process writes it), reused on resume."""
+    if resume and path.exists():
+        return DraftVocab.load(path)
+    pairs = [data.tokens_of(i) for i in data.train]
+    counts = count_tokens([t for t, _ in pairs], [m for _, m in pairs], vocab_size)
+    vocab = build_vocab(counts, min(draft_size, vocab_size))
+    if is_main:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        vocab.save(path)
+    return vocab
+
+
+def build_drafter(c, target, vocab: DraftVocab, bf16_params: bool):
+    """The drafter on the target's frozen embedding, its shape, and the target's lm_head [V, Ht] (the teacher)."""
+    embed, lm_head = load_head(target.dir)
+    shape = drafter_shape(target.info, c.drafter, num_aux=len(target.aux_layers), draft_vocab_size=len(vocab.d2t))
+    torch.manual_seed(c.train.seed)   # the same init whether or not this process captured or built a target first
+    drafter = Eagle3Drafter(shape)
+    drafter.set_target_embedding(embed)
+    if c.drafter.head_from_target:   # warm start: the target's own output space (its lm_head rows, final norm)
+        with torch.no_grad():
+            drafter.lm_head.weight.copy_(lm_head[vocab.draft_ids])
+            drafter.norm.weight.copy_(load_final_norm(target.dir))
+    if bf16_params:
+        # bf16 parameters, their fp32 masters in the optimizer's state (eagle3/optim.py): the
+        # forward reads the weights as they are and the gradients stay bf16 up to the step.
+        # fp16 runs keep fp32 parameters, since the loss scaler will not unscale fp16 gradients.
+        drafter.to(torch.bfloat16)
+    return drafter, shape, lm_head
+
+
+def gather_outside_forward(model: torch.nn.Module, drafter: Eagle3Drafter) -> None:
+    """ZeRO-3: the loss casts the weights once per unroll (Eagle3Drafter.weights, .project) and uses
+    them outside their own modules' forward, so ZeRO-3 must gather them for the Objective's forward
+    instead (they would be empty). The norms need it not, and it costs them nothing."""
+    from deepspeed.runtime.zero.partition_parameters import register_external_parameter
+
+    for p in drafter.parameters():
+        if p.requires_grad:
+            register_external_parameter(model, p)
+
+
+def split_batch(batch_size: int, micro_batch_size: int, world: int) -> tuple[int, int]:
+    """(sequences per rank, sequences per micro batch) of one global batch."""
+    per_rank = batch_size // world
+    micro = micro_batch_size or per_rank
+    if per_rank * world != batch_size or per_rank % micro:
+        sys.exit(f"error: train.batch_size={batch_size} must split evenly over {world} processes "
+                 f"and micro batches of {micro}")
+    return per_rank, micro
+
+
+def heldout_eval(acc, prepare, run_loss, held: list[int], t, shard: slice, vocab: DraftVocab,
+                 unigram: float | None) -> dict:
+    """Loss, accuracy and acceptance on the first t.eval_batches global batches of the held-out
+    samples, and the always-draft-the-most-frequent-token baseline (computed once: pass it back)."""
+    # Full global batches only (the last wraps around to the start): every rank must run the same
+    # number of forwards, since ZeRO-3 gathers the parameters collectively in each one and a rank
+    # left without samples would hang the others.
+    n, bs = len(held), t.batch_size
+    batches = [[held[(k + j) % n] for j in range(bs)] for k in range(0, n, bs)][:t.eval_batches]
+    stats, uni = StepStats(t.ttt_steps), torch.zeros(2, device=acc.device)
+    with torch.no_grad():
+        for gb in batches:
+            parts, norm = prepare(gb[shard])
+            for bt, teacher in parts:
+                stats.add(run_loss(bt, teacher, norm))
+                if unigram is None:
+                    uni += torch.tensor(unigram_correct(bt.loss_mask, bt.attention_mask, teacher[1], vocab,
+                                                        int(vocab.counts.argmax())), device=acc.device)
+    if unigram is None:
+        uni = acc.reduce(uni, reduction="sum")
+        unigram = float(uni[0] / uni[1].clamp(min=1))
+    return {**stats.reduce(acc, batches=len(batches)), "unigram_acc": unigram}
 
 
 def set_aside_previous_run(run_dir: Path) -> None:
@@ -420,8 +371,9 @@ def set_aside_previous_run(run_dir: Path) -> None:
 
 
 def captures_in_process(c) -> bool:
-    """Only the in-process (hf) backend captures implicitly; Kimi-K2.5 never does (DESIGN.md)."""
-    return c.capture.backend == "hf" and not c.target.name.startswith("kimi")
+    """A missing feature dataset is captured first when capture.implicit allows it and the backend runs
+    in this process (hf); otherwise the run stops with the capture command."""
+    return c.capture.implicit and c.capture.backend == "hf"
 
 
 def capture_command_message(c) -> str:

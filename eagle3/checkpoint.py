@@ -12,6 +12,9 @@ import json
 import shutil
 from pathlib import Path
 
+import torch
+from safetensors.torch import load_file
+
 
 def save(acc, run_dir: Path, step: int, vocab_path: Path) -> Path:
     ckpt_root = Path(run_dir) / "checkpoints"
@@ -55,10 +58,32 @@ def load_latest(acc, run_dir: Path) -> int:
             print(f"[train] resume=true but {Path(run_dir) / 'checkpoints'} has no checkpoint: starting at step 0")
         return 0
     acc.load_state(str(path))
-    step = json.loads((path / "trainer_state.json").read_text())["step"]
+    step = step_of(path)
     if acc.is_main_process:
         print(f"[train] resumed from {path} at step {step}")
     return step
+
+
+def load_model_state(path: Path) -> dict[str, torch.Tensor]:
+    """The model's weights in a checkpoint, read without the training set-up: accelerate's
+    model.safetensors (one process or DDP), or DeepSpeed's module states under ZeRO-1/2, where every
+    rank holds the whole model. Keys are the trained module's (`drafter.` + parameter name)."""
+    path = Path(path)
+    if (path / "model.safetensors").exists():
+        return load_file(str(path / "model.safetensors"))
+    ds = path / "pytorch_model"
+    if (ds / "mp_rank_00_model_states.pt").exists():
+        # DeepSpeed's file also holds its config and version, which weights_only refuses
+        return torch.load(ds / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
+    if list(ds.glob("zero_pp_rank_*_model_states.pt")):
+        raise ValueError(f"{path} is a DeepSpeed ZeRO-3 checkpoint, its weights partitioned over the ranks' "
+                         f"files; export it by resuming the run with no step left, under the launcher it trained "
+                         f"with: train.py <the run's overrides> resume=true train.steps={step_of(path)}")
+    raise FileNotFoundError(f"{path} holds no model weights (model.safetensors or pytorch_model/)")
+
+
+def step_of(path: Path) -> int:
+    return json.loads((Path(path) / "trainer_state.json").read_text())["step"]
 
 
 def trim_metrics(path: Path, step: int) -> None:

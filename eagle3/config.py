@@ -101,6 +101,7 @@ class TrainConfig:
 @dataclass
 class CaptureConfig:
     backend: str = "hf"                       # hf (in-process) | sglang (server plugin)
+    implicit: bool = True                     # train.py may capture a missing feature dataset first (hf backend)
     batch_tokens: int = 8192                  # hf: tokens per forward batch (padded)
     shard_tokens: int = 262144                # samples are cut into shards of about this many tokens
     dtype: str = "bfloat16"                   # feature storage dtype
@@ -154,7 +155,6 @@ class Config:
     capture: CaptureConfig = field(default_factory=CaptureConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     resume: bool = False
-    export_only: bool = False                 # export run_dir's latest checkpoint as it is (a run cut short), no training
 
 
 def register() -> None:

@@ -1,6 +1,7 @@
 """Engine-ready drafter directories: <run_dir>/export/{sglang,vllm}/ (config.json + model.safetensors).
 
     python -m eagle3.export reshard SRC DST [--max-mb 5]   # the same export as shards of <= 5 MB each
+    python -m eagle3.export RUN_DIR                        # export a run's latest checkpoint (eagle3/export_run.py)
 
 Layout (DESIGN.md "Drafter export"): LlamaForCausalLMEagle3 with `fc`, `midlayer.*`, `norm`, `lm_head`
 over the draft vocab, `d2t [Vd] int64` (target_id - draft_id) and `t2d [V] bool`. The target's
@@ -208,6 +209,10 @@ def find_export(path: Path, engine: str) -> Path:
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] != ["reshard"]:
+        from eagle3.export_run import main as export_run
+        return export_run(argv)
     p = argparse.ArgumentParser(description="Drafter export tools.")
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("reshard", help="rewrite an export as safetensors shards of at most --max-mb each")

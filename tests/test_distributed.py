@@ -107,9 +107,8 @@ def test_two_processes_log_once_checkpoint_and_resume(tmp_path):
 @pytest.mark.slow
 def test_zero3_on_two_processes_evaluates_a_partial_last_batch_and_matches_one_process(tmp_path):
     """ZeRO-3 gathers parameters collectively in every forward, so a rank with no held-out samples
-    left hangs the other under NCCL (seen on 2 H200s: 9 held-out samples, batches of 8). Held-out
-    batches are now full global batches, the last one wrapping around. Gloo did not hang on the old
-    split, so this checks the new one: same rows and losses as one process under ZeRO-3."""
+    left would hang the other under NCCL (9 held-out samples, batches of 8). Held-out batches are
+    full global batches, the last one wrapping around: the same rows and losses as one process."""
     common = ["+experiment=tiny", f"data.features_dir={tmp_path}/features", "train.steps=3",
               "train.log_every=1", "train.eval_every=2", "train.eval_batches=3", "dist=zero3",
               "train.save_every=100"]

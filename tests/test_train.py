@@ -1,4 +1,5 @@
-"""train.py end to end on the tiny experiments: capture-first, export, curves, exact resume, bad input."""
+"""train.py end to end on the tiny experiments: capture-first, export, curves, exact resume, progress,
+bad input; and `python -m eagle3.export RUN_DIR`, the export of a run cut short."""
 import json
 import os
 import subprocess
@@ -29,8 +30,9 @@ def metrics(run_dir):
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny")
-    run_train("+experiment=tiny", f"run_dir={d}/run", f"data.features_dir={d}/features",
-              "train.steps=8", "train.save_every=4", "train.log_every=1", "train.eval_every=4")
+    p = run_train("+experiment=tiny", f"run_dir={d}/run", f"data.features_dir={d}/features",
+                  "train.steps=8", "train.save_every=4", "train.log_every=1", "train.eval_every=4")
+    (d / "stdout.txt").write_text(p.stdout)
     return d
 
 
@@ -40,6 +42,12 @@ def test_tiny_end_to_end_writes_exports_curves_and_metrics(tiny_run):
     train_rows = [r for r in rows if r["split"] == "train"]
     assert [r["step"] for r in train_rows] == list(range(8))
     assert all(len(r["acc"]) == 3 and r["lr"] > 0 for r in train_rows)
+    keys = {"step", "split", "lr", "loss", "acc", "tokens", "accept", "tau3", "tok_s", "eta_s"}
+    assert all(set(r) == keys for r in train_rows)
+    assert all(r["eta_s"] >= 0 for r in train_rows) and train_rows[-1]["eta_s"] == 0
+    lines = [line for line in (tiny_run / "stdout.txt").read_text().splitlines() if line.startswith("[train] step")]
+    assert len(lines) == 8 and lines[-1].startswith("[train] step 8/8 ")
+    assert all(" tok/s elapsed " in line and " eta " in line for line in lines)
     assert any(r["split"] == "heldout" for r in rows)
     assert (run / "curves.png").stat().st_size > 10_000
     for engine, ids in (("sglang", [1, 2, 3]), ("vllm", [2, 3, 4])):   # tiny: aux_layers [2, 3, 4], Llama
@@ -145,12 +153,14 @@ def test_typo_fails_at_startup():
 
 @pytest.mark.parametrize("dist", ["zero2", "zero3"])
 def test_deepspeed_world_of_one_matches_the_plain_loop(tiny_run, tmp_path, dist):
-    """DeepSpeed ZeRO through accelerate (CPU, fp32, world size 1) computes the same losses as the plain
-    process: the wrappers must not change the optimisation."""
+    """dist=zero2/zero3 at world size 1 on the CPU composes, starts and trains to the plain process's
+    losses. accelerate runs DeepSpeed on GPUs only, so the run says it trains without it (with the
+    plain loop's clipping, which DeepSpeed would otherwise do)."""
     common = ["+experiment=tiny", f"data.features_dir={tiny_run}/features", "train.steps=4", "train.log_every=1",
               "train.save_every=100"]
     run_train(*common, f"run_dir={tmp_path}/plain")
-    run_train(*common, f"run_dir={tmp_path}/ds", f"dist={dist}")
+    p = run_train(*common, f"run_dir={tmp_path}/ds", f"dist={dist}")
+    assert "trains without DeepSpeed" in p.stdout
     plain = [r["loss"] for r in metrics(tmp_path / "plain") if r["split"] == "train"]
     ds = [r["loss"] for r in metrics(tmp_path / "ds") if r["split"] == "train"]
     assert len(plain) == len(ds) == 4
@@ -210,18 +220,38 @@ def test_fp8_aux_features_train_like_bf16_and_are_not_mistaken_for_them(tiny_run
     assert "float8_e4m3fn" in err and "bfloat16" in err and "capture.aux_dtype" in err
 
 
-def test_export_only_exports_the_latest_checkpoint_and_keeps_the_run(tiny_run, tmp_path):
-    """A run cut short: export_only=true writes the export of its latest checkpoint (here step 4 of
-    8) without training a step, leaves metrics and checkpoints alone; without a checkpoint it stops
-    with an error that names the directory."""
+def export_run(run_dir, check=True):
+    env = dict(os.environ, OMP_NUM_THREADS="2")
+    p = subprocess.run([sys.executable, "-m", "eagle3.export", str(run_dir)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    if check and p.returncode != 0:
+        raise AssertionError(f"python -m eagle3.export {run_dir} failed ({p.returncode}):\n{p.stderr[-5000:]}")
+    return p
+
+
+def test_export_entry_point_writes_what_training_exported(tiny_run, tmp_path):
+    """python -m eagle3.export RUN_DIR on the last checkpoint (step 8) writes, tensor for tensor and
+    config for config, the export training wrote at step 8; on an earlier one (step 4, a run cut
+    short) it exports those weights as they are, trains nothing and leaves metrics and checkpoints
+    alone; without a checkpoint it stops with an error that names the directory."""
+    from eagle3.export import load_export
     import shutil
     run = tmp_path / "run"
     shutil.copytree(tiny_run / "run", run)
-    (run / "checkpoints" / "latest").write_text("step_0000004\n")
     shutil.rmtree(run / "export")
     before = (run / "metrics.jsonl").read_text()
-    run_train("+experiment=tiny", f"run_dir={run}", f"data.features_dir={tiny_run}/features", "export_only=true",
-              "train.steps=8", "train.save_every=4")
+    export_run(run)
+    for engine in ("sglang", "vllm"):
+        ours, ours_cfg = load_export(run / "export" / engine)
+        trained, trained_cfg = load_export(tiny_run / "run" / "export" / engine)
+        assert ours_cfg == trained_cfg
+        assert sorted(ours) == sorted(trained)
+        for name, t in trained.items():
+            assert ours[name].dtype == t.dtype and torch.equal(ours[name], t), name
+
+    (run / "checkpoints" / "latest").write_text("step_0000004\n")
+    p = export_run(run)
+    assert "at step 4" in p.stdout
     assert (run / "metrics.jsonl").read_text() == before
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step_0000004", "step_0000008"]
     exported = load_file(run / "export" / "vllm" / "model.safetensors")
@@ -235,7 +265,55 @@ def test_export_only_exports_the_latest_checkpoint_and_keeps_the_run(tiny_run, t
         torch.testing.assert_close(t, saved[name].to(t.dtype), rtol=0, atol=0, msg=name)
     assert not torch.equal(exported["lm_head.weight"], final["drafter.lm_head.weight"].to(torch.bfloat16))
 
-    p = run_train("+experiment=tiny", f"run_dir={tmp_path}/empty", f"data.features_dir={tiny_run}/features",
-                  "export_only=true", check=False)
-    assert p.returncode != 0 and "export_only=true" in p.stderr + p.stdout
-    assert str(tmp_path / "empty" / "checkpoints") in p.stderr + p.stdout
+    (tmp_path / "empty").mkdir()
+    p = export_run(tmp_path / "empty", check=False)
+    assert p.returncode != 0 and str(tmp_path / "empty" / "checkpoints") in p.stderr
+
+
+def test_checkpoint_weights_are_read_from_deepspeed_layouts(tmp_path):
+    """DeepSpeed writes its own files under <checkpoint>/pytorch_model/: the module states
+    (mp_rank_00_model_states.pt, whole weights) under ZeRO-1/2, and per-rank partitions under ZeRO-3,
+    which the export cannot read alone: its error names the resume that exports it."""
+    from eagle3 import checkpoint
+    sd = {"drafter.fc.weight": torch.randn(4, 6), "drafter.norm.weight": torch.ones(4)}
+    ck = tmp_path / "step_0000003"
+    (ck / "pytorch_model").mkdir(parents=True)
+    (ck / "trainer_state.json").write_text('{"step": 3}\n')
+    torch.save({"module": sd, "ds_config": {"zero_optimization": {"stage": 2}}},
+               ck / "pytorch_model" / "mp_rank_00_model_states.pt")
+    got = checkpoint.load_model_state(ck)
+    assert sorted(got) == sorted(sd) and all(torch.equal(got[k], sd[k]) for k in sd)
+
+    (ck / "pytorch_model" / "mp_rank_00_model_states.pt").unlink()
+    (ck / "pytorch_model" / "zero_pp_rank_0_mp_rank_00_model_states.pt").write_bytes(b"")
+    with pytest.raises(ValueError, match="resume=true train.steps=3"):
+        checkpoint.load_model_state(ck)
+
+
+def test_eta_is_the_recent_mean_step_time_times_the_steps_left():
+    """eta_seconds over the loop's window of (step, end time) points equals the steps left times the
+    mean of the last RATE_WINDOW step durations, computed here from the durations alone; resuming at
+    step 40 counts from the resumed loop's start."""
+    from collections import deque
+    from eagle3.training import RATE_WINDOW, duration, eta_seconds
+
+    for start, total in ((0, 200), (40, 130)):
+        durations = [0.5 + (k % 7) * 0.25 + (3.0 if k % 25 == 0 else 0) for k in range(total - start)]
+        now = 1000.0
+        recent = deque([(start - 1, now)], maxlen=RATE_WINDOW + 1)
+        for k, step in enumerate(range(start, total)):
+            now += durations[k]
+            recent.append((step, now))
+            window = durations[max(0, k + 1 - RATE_WINDOW):k + 1]
+            expected = (total - 1 - step) * sum(window) / len(window)
+            assert eta_seconds(recent, step, total) == pytest.approx(expected, rel=1e-9), step
+    assert [duration(s) for s in (0, 42.4, 200, 3599.6, 3720, 86400 + 61)] == [
+        "0s", "42s", "3m20s", "1h00m", "1h02m", "24h01m"]
+
+
+def test_capture_implicit_false_stops_with_the_capture_command(tmp_path):
+    """capture.implicit=false: a missing feature dataset is never captured by train.py, whatever the target."""
+    p = run_train("+experiment=tiny", "capture.implicit=false", f"run_dir={tmp_path}/run",
+                  f"data.features_dir={tmp_path}/none", check=False)
+    assert p.returncode != 0
+    assert "python -m capture +experiment=tiny" in p.stderr and not (tmp_path / "none").exists()
