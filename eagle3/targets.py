@@ -253,6 +253,16 @@ def prepare_target(source: str, path: str, name: str, arch: str, random_config: 
     return Target(d, info, check_aux_layers(list(aux_layers) or default_aux_layers(info.num_layers), info.num_layers))
 
 
+def pick_device(name: str) -> str:
+    """"auto" = cuda when there is a GPU, else cpu; any other name as given."""
+    return ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
+
+
+def model_dtype(device: str) -> torch.dtype:
+    """bf16 on GPU; fp32 on CPU, where bf16 matmuls are slow and features are rounded to bf16 on storage."""
+    return torch.bfloat16 if device.startswith("cuda") else torch.float32
+
+
 @contextlib.contextmanager
 def _whole_even_under_zero3():
     """While a ZeRO-3 run is set up (accelerate registers its DeepSpeed config with transformers),
