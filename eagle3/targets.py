@@ -131,7 +131,7 @@ def _dequantize_gguf(gguf: Path, out: Path) -> None:
 
 
 def smollm2_tokenizer():
-    """SmolLM2's tokenizer, read from the GGUF once (~5 s) and cached on its own (tiny targets use it)."""
+    """SmolLM2's tokenizer, read from the GGUF once and cached on its own (tiny targets use it)."""
     from transformers import AutoTokenizer
 
     gguf = smollm2_gguf_path()
