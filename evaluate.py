@@ -19,7 +19,7 @@ from typing import Callable, Dict, List, Tuple
 
 import hydra
 
-from eagle3 import evaluation as ev
+from eagle3 import chat, evaluation as ev
 from eagle3.config import Config, register, to_config
 
 register()
@@ -38,7 +38,7 @@ def decode_prompts(prompts: List[ev.Prompt], tokenizer, generate: Generate) -> L
             if followup is not None:
                 answer = tokenizer.decode(st.output_ids[-1], skip_special_tokens=True)
                 messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": followup}]
-            ids, secs, c = generate(ev.render(tokenizer, messages))
+            ids, secs, c = generate(chat.render_prompt(tokenizer, messages))
             st.output_ids.append(list(ids))
             st.seconds += secs
             st.num_drafts += c.get("drafts", 0)
@@ -137,20 +137,19 @@ def run_sglang(e, target_dir, trust_remote_code, drafters, prompt_sets, tokenize
     """A fresh `sglang.launch_server` per configuration (its counters are per request, but a fresh
     server keeps caches and warm-up identical), or eval.server_url for one running server."""
     from capture import sglang_server as srv
-    from capture.sglang_client import sglang_python   # SGLang lives in its own environment
+    from eagle3.serving import eval_server_cmd, server_cmd, sglang_python
 
     def serve(draft, tag) -> Dict[str, List[ev.DecodeStats]]:
         if e.server_url:
             return decode_sglang(e.server_url.rstrip("/"), prompt_sets, tokenizer, stop, e)
         port = srv.free_port()
         if draft is None:
-            cmd = [sglang_python(), "-m", "sglang.launch_server", "--model-path", str(target_dir),
-                   "--tp-size", str(e.tp_size), "--port", str(port)] + \
-                  (["--trust-remote-code"] if trust_remote_code else []) + list(e.server_args)
+            cmd = server_cmd(str(target_dir), e.tp_size, port, e.server_args,
+                             trust_remote_code=trust_remote_code, python=sglang_python())
         else:
-            cmd = srv.eval_server_cmd(str(target_dir), str(draft), e.tp_size, e.num_steps, e.topk,
-                                      e.num_draft_tokens, port, e.server_args,
-                                      trust_remote_code=trust_remote_code, python=sglang_python())
+            cmd = eval_server_cmd(str(target_dir), str(draft), e.tp_size, e.num_steps, e.topk,
+                                  e.num_draft_tokens, port, e.server_args,
+                                  trust_remote_code=trust_remote_code, python=sglang_python())
         url = f"http://127.0.0.1:{port}"
         proc = srv.launch(cmd, None, str(Path(out_dir) / f"sglang_{tag}.log"), url + "/health", timeout=1800)
         try:
@@ -227,7 +226,7 @@ def prepare_drafters(paths: List[str], backend: str, info) -> List[dict]:
 
 
 def evaluate(c: Config) -> Dict[str, Path]:
-    from eagle3.targets import load_tokenizer, resolve_target, target_info
+    from eagle3.targets import load_tokenizer, prepare_target
     e = c.eval
     if not e.drafters:
         raise ValueError("eval.drafters is empty: pass export dirs or run dirs, e.g. eval.drafters=[runs/smollm2]")
@@ -237,11 +236,11 @@ def evaluate(c: Config) -> Dict[str, Path]:
         raise ValueError("only greedy chain drafting is evaluated (temperature 0; topk 1 for hf and vllm): "
                          f"got temperature {e.temperature}, topk {e.topk}")
     t = c.target
-    target_dir = resolve_target(t.source, t.path, t.name, t.arch, dict(t.random_config), t.seed)
-    info = target_info(target_dir, t.name)
+    target = prepare_target(t.source, t.path, t.name, t.arch, t.random_config, t.seed, c.aux_layers)
+    target_dir, info = target.dir, target.info
     drafters = prepare_drafters(list(e.drafters), e.backend, info)
     tokenizer = load_tokenizer(target_dir, t.chat_template, t.trust_remote_code)
-    stop = ev.stop_token_ids(tokenizer, target_dir)
+    stop = chat.stop_ids(tokenizer, target_dir)
     prompt_sets = {ev.prompt_set_name(s): ev.load_prompts(s, e.num_prompts, c.data.source, c.data.path,
                                                           c.data.heldout_fraction) for s in e.prompts}
     out_dir = Path(e.out_dir)
@@ -249,7 +248,7 @@ def evaluate(c: Config) -> Dict[str, Path]:
     if e.backend == "hf":
         base, spec, versions = run_hf(e, target_dir, t.dtype, drafters, prompt_sets, tokenizer, stop)
     elif e.backend == "vllm":
-        longest = max(len(ev.render(tokenizer, p.messages)) + sum(len(tokenizer(f)["input_ids"]) + 32
+        longest = max(len(chat.render_prompt(tokenizer, p.messages)) + sum(len(tokenizer(f)["input_ids"]) + 32
                       for f in p.followups) for ps in prompt_sets.values() for p in ps)
         turns = 1 + max(len(p.followups) for ps in prompt_sets.values() for p in ps)
         max_len = min(info.max_position_embeddings or 1 << 30, longest + turns * e.max_new_tokens + e.num_steps + 64)

@@ -1,11 +1,14 @@
-"""Capture target hidden states into a feature dataset.
+"""Capture target hidden states into a feature dataset, or regenerate the conversations first.
 
     python -m capture                                   # embedded default (SmolLM2, in-process hf backend)
     python -m capture +experiment=tiny
     python -m capture +experiment=kimi_k25 capture.server_url=http://HOST:30000   # SGLang capture server
     python -m capture +experiment=smollm2_peer capture.regenerate_only=true       # the target's answers only
 
-Rerunning the same command after an interruption resumes where it stopped.
+Two stages: with capture.regenerate_only the target answers the conversations (JSONL, for capture
+and online training to read); otherwise the features are captured. An experiment with
+capture.regenerate=true needs the first before the second. Rerunning the same command after an
+interruption resumes where it stopped.
 """
 from __future__ import annotations
 
@@ -14,30 +17,26 @@ from pathlib import Path
 import hydra
 
 from eagle3 import config as config_schema
-from eagle3.engine_ids import check_aux_layers
-from eagle3.targets import default_aux_layers, resolve_target, target_info
+from eagle3.targets import load_tokenizer, prepare_target
 
 config_schema.register()
 
 
 @hydra.main(config_path="../conf", config_name="capture", version_base=None)
 def main(cfg) -> None:
-    from capture.run import capture_features
-
     c = config_schema.to_config(cfg)
-    target_dir = resolve_target(c.target.source, c.target.path, c.target.name, c.target.arch,
-                                dict(c.target.random_config), c.target.seed)
-    n = target_info(target_dir).num_layers
-    aux_layers = check_aux_layers(list(c.aux_layers) or default_aux_layers(n), n)
-    if c.capture.regenerate_only:           # for online training, which reads the answers itself
-        from capture.regenerate import regenerated_data
-        from eagle3.targets import load_tokenizer
+    t = c.target
+    target = prepare_target(t.source, t.path, t.name, t.arch, t.random_config, t.seed, c.aux_layers)
+    if c.capture.regenerate_only:
+        from capture.regenerate import regenerate
 
-        tok = load_tokenizer(target_dir, c.target.chat_template, c.target.trust_remote_code)
-        path = regenerated_data(target_dir, c.target, c.data, c.capture, tok, target_info(target_dir, c.target.name))
+        tok = load_tokenizer(target.dir, t.chat_template, t.trust_remote_code)
+        path = regenerate(target.dir, t, c.data, c.capture, tok, target.info)
         print(f"[capture] regenerated conversations: {path}")
         return
-    out = capture_features(target_dir, aux_layers, c.target, c.data, c.capture, Path(c.data.features_dir))
+    from capture.run import capture_features
+
+    out = capture_features(target.dir, target.aux_layers, t, c.data, c.capture, Path(c.data.features_dir))
     print(f"[capture] feature dataset: {out}")
 
 

@@ -1,22 +1,23 @@
-"""On-policy data: the target answers the conversations' user turns itself before capture.
+"""Regeneration, a stage of its own: the target answers the conversations' user turns itself.
 
-    python -m capture +experiment=smollm2 capture.regenerate=true      # hf: transformers generate
-    python -m capture +experiment=kimi_k25 capture.regenerate=true     # sglang: the server's /generate
+    python -m capture +experiment=smollm2_peer capture.regenerate_only=true    # hf: in-process generate
+    python -m capture +experiment=kimi_k25 capture.regenerate_only=true        # sglang: the server's /generate
 
 Every run of user turns gets one greedy answer (up to capture.regen_max_new_tokens, stopping at
-the template's end-of-turn token), generated with the earlier answers already replaced; the
-original assistant turns are dropped, and so is an assistant turn with no user turn before it.
-A conversation stops at the first prompt of data.max_length tokens or more (every token after
-that is truncated away by the data loader anyway).
+eagle3.chat.stop_ids), generated with the earlier answers already replaced; the original assistant
+turns are dropped, and so is an assistant turn with no user turn before it. A conversation stops
+at the first prompt of data.max_length tokens or more (every token after that is truncated away
+by the data loader anyway).
 
-The regenerated conversations are cached as JSONL under ~/.cache/eagle3/regen/, keyed by the
-target, its chat template, the data settings and the generation length; records are appended as
-chunks finish, and a rerun skips the ids already there. capture/run.py's load_samples then reads
-that file as a `jsonl` source, so capture and online training see the same conversations.
+The conversations go to eagle3.data.regenerated_path (JSONL under ~/.cache/eagle3/regen/, keyed by
+the target, its chat template, the data settings and the answer length). Records are appended to
+`<key>.partial.jsonl` as chunks finish, a rerun skips the ids already there, and the file is
+renamed to `<key>.jsonl` once every conversation is answered. Capture and online training only
+read that file (eagle3.data.load_samples); this is the only code that starts a server or per-GPU
+workers to generate.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
@@ -26,50 +27,15 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from eagle3 import chat
 from eagle3.config import CaptureConfig, DataConfig, TargetConfig
-from eagle3.data import BadRecord, iter_conversations, select_turns
-from eagle3.features import template_sha256
-from eagle3.targets import cache_root
-
-_MARKER = "EAGLE3_REGEN_MARKER"
+from eagle3.data import BadRecord, iter_conversations, regenerated_path, select_turns
+from eagle3.serving import server_cmd, sglang_python
+from eagle3.targets import load_target_model, load_tokenizer, model_dtype, pick_device
 
 
 # ----------------------------------------------------------------------------------------------
-# Conversations and prompts.
-
-def is_usable(messages) -> bool:
-    """A list of {role, content} turns with string content and at least one user turn."""
-    return (isinstance(messages, list) and any(isinstance(m, dict) and m.get("role") == "user"
-                                               for m in messages)
-            and all(isinstance(m, dict) and m.get("role") in ("system", "user", "assistant")
-                    and isinstance(m.get("content"), str) for m in messages))
-
-
-def end_of_turn_ids(tok) -> List[int]:
-    """Token ids that end an assistant turn: the special token the chat template puts right after
-    an answer (`<|im_end|>` for ChatML/Kimi, `<|eot_id|>` for Llama-3), plus the tokenizer's eos.
-
-    SmolLM2's GGUF tokenizer reports eos = <|im_start|> (ENGINES.md): stopping there too is right.
-    """
-    text = tok.apply_chat_template([{"role": "user", "content": "hi"},
-                                    {"role": "assistant", "content": _MARKER}], tokenize=False)
-    suffix = text[text.rindex(_MARKER) + len(_MARKER):]
-    ids = list(tok(suffix, add_special_tokens=False).input_ids) if suffix else []
-    special = set(tok.all_special_ids) | set(getattr(tok, "added_tokens_decoder", {}) or {})
-    out = [ids[0]] if ids and ids[0] in special else []
-    if tok.eos_token_id is not None and tok.eos_token_id not in out:
-        out.append(int(tok.eos_token_id))
-    if not out:
-        raise ValueError("cannot tell how an assistant turn ends: the chat template closes it with "
-                         "no special token and the tokenizer has no eos token")
-    return out
-
-
-def prompt_ids(tok, messages: List[dict]) -> List[int]:
-    """The rendered conversation with the assistant header appended, as token ids."""
-    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return list(tok(text, add_special_tokens=False).input_ids)
-
+# Conversations being answered.
 
 @dataclass
 class _Conv:
@@ -211,7 +177,7 @@ def done_ids(path: Path) -> set:
 
 def regenerate_conversations(conversations: Sequence[Tuple[str, list]], tok, generate: Generate,
                              out_path: Path, max_prompt_tokens: int, progress: bool = True,
-                             chunk: int = 256, minutes: float = 0.0) -> Path:
+                             chunk: int = 256, minutes: float = 0.0, desc: str = "regenerate") -> Path:
     """Answer every conversation's user turns with `generate`; append records to out_path (JSONL).
 
     conversations: (id, messages) pairs in order; ids already in out_path are skipped, so an
@@ -228,7 +194,7 @@ def regenerate_conversations(conversations: Sequence[Tuple[str, list]], tok, gen
     out_path.parent.mkdir(parents=True, exist_ok=True)
     have = done_ids(out_path)
     todo = [(cid, msgs) for cid, msgs in conversations if cid not in have]
-    bar = tqdm(total=len(todo), unit="conv", desc="regenerate", disable=not progress)
+    bar = tqdm(total=len(todo), unit="conv", desc=desc, disable=not progress)
     last = 0.0
     for c in range(0, len(todo), chunk):
         if minutes and time.time() - t0 + last > minutes * 60:
@@ -240,7 +206,7 @@ def regenerate_conversations(conversations: Sequence[Tuple[str, list]], tok, gen
                  for cid, msgs in todo[c:c + chunk]]
         active = [v for v in convs if v.next_prompt()]
         while active:
-            prompts = [prompt_ids(tok, v.done) for v in active]
+            prompts = [chat.render_prompt(tok, v.done) for v in active]
             keep = [i for i, p in enumerate(prompts) if len(p) < max_prompt_tokens]
             for i in set(range(len(active))) - set(keep):
                 active[i].done.pop()             # its answer would be truncated away: stop here
@@ -267,17 +233,6 @@ def regenerate_conversations(conversations: Sequence[Tuple[str, list]], tok, gen
     return out_path
 
 
-def regen_cache_path(target_fingerprint: str, chat_template: Optional[str], data: DataConfig,
-                     max_new_tokens: int) -> Path:
-    key = json.dumps({"target": target_fingerprint,
-                      "template": template_sha256(chat_template),
-                      "source": data.source, "path": data.path, "num_samples": data.num_samples,
-                      "max_length": data.max_length, "max_new_tokens": max_new_tokens,
-                      **({"turns": data.turns, "max_prompt_chars": data.max_prompt_chars}
-                         if data.turns or data.max_prompt_chars else {})}, sort_keys=True)
-    return cache_root() / "regen" / f"{hashlib.blake2b(key.encode(), digest_size=8).hexdigest()}.jsonl"
-
-
 def source_conversations(data: DataConfig) -> List[Tuple[str, list]]:
     """The first data.num_samples usable conversations of the source (all when 0), in file order,
     cut to data.turns user turns and skipped when the first is data.max_prompt_chars long."""
@@ -287,7 +242,7 @@ def source_conversations(data: DataConfig) -> List[Tuple[str, list]]:
             messages = select_turns(messages, data.turns, data.max_prompt_chars)
         except BadRecord:
             continue
-        if is_usable(messages):
+        if chat.conversation_problem(messages, needs="user") is None:
             out.append((cid, messages))
             if data.num_samples and len(out) >= data.num_samples:
                 break
@@ -295,15 +250,13 @@ def source_conversations(data: DataConfig) -> List[Tuple[str, list]]:
 
 
 def _regenerate_hf(device: str, target_dir: Path, target: TargetConfig, capture: CaptureConfig,
-                   convs: Sequence[Tuple[str, list]], path: Path, max_length: int, progress: bool) -> None:
-    from capture.run import model_dtype
-    from eagle3.targets import load_target_model, load_tokenizer
-
+                   convs: Sequence[Tuple[str, list]], path: Path, max_length: int, progress: bool,
+                   desc: str = "regenerate") -> None:
     tok = load_tokenizer(target_dir, target.chat_template, target.trust_remote_code)
     model = load_target_model(target_dir, model_dtype(device), device, target.trust_remote_code)
-    gen = hf_generate(model, end_of_turn_ids(tok), capture.regen_max_new_tokens, capture.regen_batch_size)
+    gen = hf_generate(model, chat.stop_ids(tok, target_dir), capture.regen_max_new_tokens, capture.regen_batch_size)
     regenerate_conversations(convs, tok, gen, path, max_length, progress=progress,
-                             chunk=capture.regen_chunk, minutes=capture.regen_minutes)
+                             chunk=capture.regen_chunk, minutes=capture.regen_minutes, desc=desc)
 
 
 def _worker(rank: int, workers: int, device: str, target_dir: Path, target: TargetConfig,
@@ -312,12 +265,12 @@ def _worker(rank: int, workers: int, device: str, target_dir: Path, target: Targ
         device = f"cuda:{rank}"
         torch.cuda.set_device(rank)
     _regenerate_hf(device, target_dir, target, capture, convs[rank::workers], part, max_length,
-                   progress=rank == 0)
+                   progress=rank == 0, desc=f"regenerate (worker 0 of {workers})")
 
 
 def _regenerate_in_workers(workers: int, device: str, target_dir: Path, target: TargetConfig,
                            data: DataConfig, capture: CaptureConfig, missing: Sequence[Tuple[str, list]],
-                           path: Path) -> Path:
+                           path: Path) -> None:
     """Worker r (on GPU r) answers every workers-th missing conversation into its own part file,
     resumable on its own; the parts are then appended to the cache in conversation order and removed."""
     import torch.multiprocessing as mp
@@ -349,49 +302,66 @@ def _regenerate_in_workers(workers: int, device: str, target_dir: Path, target: 
         os.fsync(f.fileno())
     for part in parts:
         part.unlink()
+
+
+def regenerate(target_dir: Path, target: TargetConfig, data: DataConfig, capture: CaptureConfig,
+               tok, info) -> Path:
+    """Answer data's conversations with the target; returns the file holding the answers:
+    eagle3.data.regenerated_path once all are answered, its .partial.jsonl while some are not
+    (capture.regen_minutes stopped it; a rerun goes on).
+
+    Engine = capture.backend: hf loads the target in-process (one worker per GPU, or
+    capture.regen_workers); sglang uses capture.server_url, or launches a plain server (capture
+    plugin inert) for the time of the regeneration.
+    """
+    path = regenerated_path(info.fingerprint, tok.chat_template, data, capture.regen_max_new_tokens)
+    if path.exists():
+        print(f"[regenerate] every conversation is answered in {path}")
+        return path
+    partial = path.with_name(f"{path.stem}.partial.jsonl")
+    convs = source_conversations(data)
+    if not convs:
+        raise SystemExit(f"error: no conversation with a user turn in data.source={data.source} {data.path}")
+    have = done_ids(partial)
+    missing = [c for c in convs if c[0] not in have]
+    print(f"[regenerate] {len(convs) - len(missing)} of {len(convs)} conversations answered in {partial}")
+    if missing:
+        _answer(target_dir, target, data, capture, tok, convs, missing, partial)
+    left = len(missing) - len(done_ids(partial) & {cid for cid, _ in missing})
+    if left:
+        print(f"[regenerate] {left} of {len(convs)} conversations not answered yet; rerun to go on")
+        return partial
+    os.replace(partial, path)
     return path
 
 
-def regenerated_data(target_dir: Path, target: TargetConfig, data: DataConfig, capture: CaptureConfig,
-                     tok, info) -> Path:
-    """The cached JSONL of regenerated conversations for these settings, made (or completed) first.
-
-    Engine = capture.backend: hf loads the target in-process; sglang uses capture.server_url, or
-    launches a plain server (capture plugin inert) for the time of the regeneration.
-    """
-    path = regen_cache_path(info.fingerprint, tok.chat_template, data, capture.regen_max_new_tokens)
-    convs = source_conversations(data)
-    have = done_ids(path)
-    missing = [c for c in convs if c[0] not in have]
-    print(f"[regenerate] {len(convs) - len(missing)} of {len(convs)} conversations cached in {path}")
-    if not missing:
-        return path
-    stop_ids = end_of_turn_ids(tok)
+def _answer(target_dir: Path, target: TargetConfig, data: DataConfig, capture: CaptureConfig, tok,
+            convs: Sequence[Tuple[str, list]], missing: Sequence[Tuple[str, list]], partial: Path) -> None:
     n = capture.regen_max_new_tokens
     if capture.backend == "hf":
-        from capture.run import pick_device
-
         device = pick_device(capture.device)
         workers = capture.regen_workers or (torch.cuda.device_count() if device.startswith("cuda") else 1)
         if workers > 1:
-            return _regenerate_in_workers(workers, device, target_dir, target, data, capture, missing, path)
-        _regenerate_hf(device, target_dir, target, capture, convs, path, data.max_length, progress=True)
-        return path
+            _regenerate_in_workers(workers, device, target_dir, target, data, capture, missing, partial)
+        else:
+            _regenerate_hf(device, target_dir, target, capture, convs, partial, data.max_length, progress=True)
+        return
     if capture.backend != "sglang":
         raise SystemExit(f"error: capture.backend={capture.backend!r}: expected 'hf' or 'sglang'")
+    stop = chat.stop_ids(tok, target_dir)
     if capture.server_url:
-        gen = sglang_generate(capture.server_url, stop_ids, n, capture.concurrency, capture.spool_dir)
-        return regenerate_conversations(convs, tok, gen, path, data.max_length,
-                                        chunk=capture.regen_chunk, minutes=capture.regen_minutes)
-    from capture.sglang_client import free_port, needs_remote_code, running_server, sglang_python
-    from capture.sglang_server import SPOOL_ENV
+        gen = sglang_generate(capture.server_url, stop, n, capture.concurrency, capture.spool_dir)
+        regenerate_conversations(convs, tok, gen, partial, data.max_length,
+                                 chunk=capture.regen_chunk, minutes=capture.regen_minutes)
+        return
+    from capture.sglang_client import needs_remote_code
+    from capture.sglang_server import SPOOL_ENV, free_port, running_server
 
     port = free_port()
-    cmd = [sglang_python(), "-m", "sglang.launch_server", "--model-path", str(target_dir),
-           "--tp-size", str(capture.tp_size), "--port", str(port),
-           *(["--trust-remote-code"] if needs_remote_code(target_dir) else []), *capture.server_args]
+    cmd = server_cmd(str(target_dir), capture.tp_size, port, capture.server_args,
+                     trust_remote_code=needs_remote_code(target_dir), python=sglang_python())
     env = {k: v for k, v in os.environ.items() if k != SPOOL_ENV}
-    with running_server(cmd, env, path.with_suffix(".server.log"), port) as (url, _):
-        gen = sglang_generate(url, stop_ids, n, capture.concurrency)
-        return regenerate_conversations(convs, tok, gen, path, data.max_length,
-                                        chunk=capture.regen_chunk, minutes=capture.regen_minutes)
+    with running_server(cmd, env, partial.with_suffix(".server.log"), port) as (url, _):
+        gen = sglang_generate(url, stop, n, capture.concurrency)
+        regenerate_conversations(convs, tok, gen, partial, data.max_length,
+                                 chunk=capture.regen_chunk, minutes=capture.regen_minutes)

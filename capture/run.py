@@ -1,48 +1,16 @@
 """Conversations -> feature dataset, for `python -m capture` and for train.py's capture-first default.
 
-Takes the typed config parts (eagle3.config dataclasses), never the Hydra config.
+Takes the typed config parts (eagle3.config dataclasses), never the Hydra config. Only reads the
+conversations: regenerated ones are written beforehand by capture/regenerate.py.
 """
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional, Sequence
-
-import torch
+from typing import Sequence
 
 from eagle3.config import CaptureConfig, DataConfig, TargetConfig
-from eagle3.data import build_samples
-from eagle3.targets import load_target_model, load_tokenizer, target_info
-
-
-def pick_device(name: str) -> str:
-    return ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
-
-
-def model_dtype(device: str) -> torch.dtype:
-    """bf16 on GPU; fp32 on CPU, where bf16 matmuls are slow and features are rounded to bf16 on storage."""
-    return torch.bfloat16 if device.startswith("cuda") else torch.float32
-
-
-def load_samples(target_dir: Path, target: TargetConfig, data: DataConfig,
-                 capture: Optional[CaptureConfig] = None):
-    """(tokenizer, train samples, held-out samples), with the data report printed.
-
-    With capture.regenerate the conversations are the target's own answers (capture/regenerate.py,
-    cached as JSONL), read in place of the source."""
-    tok = load_tokenizer(target_dir, target.chat_template, target.trust_remote_code)
-    source, path = data.source, data.path
-    if capture is not None and capture.regenerate:
-        from capture.regenerate import regenerated_data
-        source, path = "jsonl", str(regenerated_data(target_dir, target, data, capture, tok,
-                                                     target_info(target_dir, target.name)))
-    train, held, report = build_samples(tok, source, path, data.num_samples, data.max_length,
-                                        data.heldout_fraction, data.min_loss_tokens, data.turns,
-                                        data.max_prompt_chars)
-    print(f"[data] {report.summary()}")
-    if not train:
-        raise SystemExit(f"error: no usable training conversations from data.source={data.source} "
-                         f"{data.path}: {report.summary()}")
-    return tok, train, held
+from eagle3.data import load_samples
+from eagle3.targets import load_target_model, model_dtype, pick_device, target_info
 
 
 def capture_features(target_dir: Path, aux_layers: Sequence[int], target: TargetConfig, data: DataConfig,

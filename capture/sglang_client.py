@@ -23,24 +23,22 @@ import json
 import os
 import re
 import shutil
-import sys
 import time
 import urllib.error
 import urllib.request
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
 from capture.sglang_plugin import SGLANG_VERSION, safe_rid
-from capture.sglang_server import capture_server_cmd, capture_server_env, free_port, launch, log_tail, stop
+from capture.sglang_server import capture_server_cmd, capture_server_env, free_port, log_tail, running_server
 from eagle3.config import CaptureConfig
-from eagle3.features import MANIFEST, FeatureDataset, FeatureWriter, check_storage, make_meta
+from eagle3.features import FeatureWriter, finished_capture, make_meta, open_capture
+from eagle3.serving import sglang_python
 
-SGLANG_PYTHON_ENV = "EAGLE3_SGLANG_PYTHON"
-SERVER_START_TIMEOUT = 3600.0     # Kimi-K2.5 takes many minutes to load on 8 GPUs
 REQUEST_TIMEOUT = 900.0           # one prefill-only request, queued behind `concurrency` others
 # A request answered by the server must show up in the spool within this time, or the plugin is
 # not capturing (not installed in the server's environment, EAGLE3_SPOOL_DIR not set, ...).
@@ -120,28 +118,10 @@ def post_json(url: str, body: Dict[str, Any], timeout: float = REQUEST_TIMEOUT) 
         raise RuntimeError(f"HTTP {e.code}: {e.read().decode('utf-8', 'replace')[:2000]}") from None
 
 
-def sglang_python() -> str:
-    return os.environ.get(SGLANG_PYTHON_ENV) or sys.executable
-
-
 def needs_remote_code(target_dir: Path) -> bool:
     """Checkpoints that ship their own modelling code (Kimi-K2.5) name it in config.json's auto_map."""
     cfg = json.loads((Path(target_dir) / "config.json").read_text())
     return "auto_map" in cfg or "auto_map" in (cfg.get("text_config") or {})
-
-
-@contextlib.contextmanager
-def running_server(cmd: Sequence[str], env: Dict[str, str], log_path: Path, port: int,
-                   timeout: float = SERVER_START_TIMEOUT) -> Iterator[tuple]:
-    """Launch `cmd`, yield (url, process) once /health answers; stop it on exit, error or Ctrl-C."""
-    url = f"http://127.0.0.1:{port}"
-    print(f"[capture] starting SGLang ({log_path}): {' '.join(cmd)}")
-    proc = launch(cmd, env, str(log_path), url + "/health", timeout)
-    try:
-        yield url, proc
-    finally:
-        print("[capture] stopping the SGLang server")
-        stop(proc)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -364,10 +344,7 @@ def capture_sglang(target_dir: Path, info, tok, samples: Sequence[Any], aux_laye
                          chat_template=getattr(tok, "chat_template", None), engine="sglang",
                          engine_version=version, data=data_meta)
 
-    if (out_dir / MANIFEST).exists():
-        expected = {k: v for k, v in meta_of("").items() if k != "engine"}
-        check_storage(FeatureDataset(out_dir, expected=expected), capture.dtype, capture.aux_dtype)
-        print(f"capture: {out_dir} is complete; nothing to do")
+    if finished_capture(out_dir, meta_of(""), capture.dtype, capture.aux_dtype):
         return out_dir
     with contextlib.ExitStack() as stack:
         proc, log_path, url = None, None, capture.server_url
@@ -380,14 +357,9 @@ def capture_sglang(target_dir: Path, info, tok, samples: Sequence[Any], aux_laye
             url, proc = stack.enter_context(running_server(
                 cmd, capture_server_env(str(spool), aux_layers), log_path, port))
         version = server_version(url) or SGLANG_VERSION
-        ids = [str(s.id) for s in samples]
-        writer = FeatureWriter(out_dir, meta_of(version), ids, [len(s.input_ids) for s in samples],
-                               dtype=capture.dtype, shard_tokens=capture.shard_tokens,
-                               aux_dtype=capture.aux_dtype)
-        n_pending = len(writer.pending_shards())
-        if n_pending < len(writer.plan):
-            print(f"capture: resuming {writer.partial}: {len(writer.plan) - n_pending} of "
-                  f"{len(writer.plan)} shards already done")
+        writer = open_capture(out_dir, meta_of(version), [str(s.id) for s in samples],
+                              [len(s.input_ids) for s in samples], dtype=capture.dtype,
+                              shard_tokens=capture.shard_tokens, aux_dtype=capture.aux_dtype)
         print(f"[capture] SGLang {version} at {url}: {sum(map(len, writer.pending_shards()))} samples "
               f"to capture, spool {spool} (budget {capture.spool_budget_gb} GB)")
         try:

@@ -6,7 +6,7 @@ calls `register()` in every server process before the model is built. Start a ca
 capture/sglang_server.py's `capture_server_cmd` and EAGLE3_SPOOL_DIR set; without that variable
 this module registers nothing.
 
-What it writes (DESIGN.md "Spool format"): one `req_<rid>/` per request with `aux_0.pt ..
+What it writes (docs/design.md, "Spool format"): one `req_<rid>/` per request with `aux_0.pt ..
 aux_{k-1}.pt` and `final.pt` (bf16 [T, H], T = whole prompt), `meta.json`, then an empty `done`.
 `final` is the `hidden_states` argument of LogitsProcessor.forward: the post-norm state the LM
 head consumes. Failures never reach the serving path: they go to the log and to
@@ -55,8 +55,8 @@ HOOK_TARGET = "sglang.srt.layers.logits_processor.LogitsProcessor.forward"
 # writer thread. Beyond them serving waits for the spool (backpressure instead of host OOM).
 _QUEUE_PASSES = 4
 _WRITES_IN_FLIGHT = 16
-# torch.save releases the GIL while it writes: tmpfs took 1.1 GB/s from one thread, 3.7 from 4
-# (H200 host, 117 MB tensors). A Kimi token is 4 x 7168 bf16 = 57 KB of spool.
+# torch.save releases the GIL while it writes, so a few writer threads fill tmpfs several times
+# faster than one. A Kimi token is 4 x 7168 bf16 = 57 KB of spool.
 _WRITER_THREADS = 4
 _RID_RE = re.compile(r"[A-Za-z0-9_.:=+-]{1,200}")
 

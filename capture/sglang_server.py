@@ -1,8 +1,9 @@
-"""SGLang server command lines (capture and evaluation) and a launcher that waits for /health.
+"""The SGLang capture server: its command line and environment, and a launcher that waits for /health.
 
     cmd = capture_server_cmd("/models/Kimi-K2.5", 8, [3, 31, 59], "kimi_k25", 30000, [])
-    proc = launch(cmd, capture_server_env("/dev/shm/eagle3_spool", [3, 31, 59]),
-                  "runs/kimi_k25/capture_server.log", "http://127.0.0.1:30000/health", 3600)
+    with running_server(cmd, capture_server_env("/dev/shm/eagle3_spool", [3, 31, 59]),
+                        Path("runs/kimi_k25/capture_server.log"), 30000) as (url, proc):
+        ...
 
 Every flag was checked against SGLang 0.5.23's ServerArgs (tests/sglang/test_server_args.py
 parses these command lines with SGLang's own parser and resolution). Pure Python: importing this
@@ -10,6 +11,7 @@ module needs no SGLang, so the capture client can run in an environment without 
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import signal
@@ -19,9 +21,10 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional, Sequence
+from typing import Dict, Iterator, List, Mapping, Optional, Sequence
 
 from eagle3.engine_ids import capture_layer_ids
+from eagle3.serving import server_cmd
 
 SPOOL_ENV = "EAGLE3_SPOOL_DIR"        # same names as capture/sglang_plugin.py (which imports sglang)
 AUX_LAYERS_ENV = "EAGLE3_AUX_LAYERS"
@@ -29,6 +32,7 @@ AUX_LAYERS_ENV = "EAGLE3_AUX_LAYERS"
 # Flags that silently break capture. Two-batch overlap runs DeepSeek layers past
 # first_k_dense_replace through model_forward_stages, which captures nothing there.
 _CAPTURE_FORBIDDEN = ("--enable-two-batch-overlap", "--speculative-draft-model-path")
+SERVER_START_TIMEOUT = 3600.0     # Kimi-K2.5 takes many minutes to load on 8 GPUs
 
 
 def capture_server_cmd(model_path: str, tp_size: int, aux_layers: Sequence[int], target_arch: str,
@@ -48,14 +52,11 @@ def capture_server_cmd(model_path: str, tp_size: int, aux_layers: Sequence[int],
     if bad:
         raise ValueError(f"capture server: {bad} break capture (see _CAPTURE_FORBIDDEN)")
     ids = capture_layer_ids(aux_layers, target_arch)
-    cmd = [python, "-m", "sglang.launch_server", "--model-path", str(model_path),
-           "--tp-size", str(int(tp_size)), "--port", str(int(port)),
-           "--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3",
-           "--return-aux-hidden-state-layer-ids", *[str(i) for i in ids],
-           "--disable-prefill-cuda-graph", "--disable-radix-cache", "--skip-server-warmup"]
-    if trust_remote_code:
-        cmd.append("--trust-remote-code")
-    return cmd + [str(a) for a in extra_args]
+    flags = ["--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3",
+             "--return-aux-hidden-state-layer-ids", *[str(i) for i in ids],
+             "--disable-prefill-cuda-graph", "--disable-radix-cache", "--skip-server-warmup"]
+    return server_cmd(model_path, tp_size, port, [*flags, *extra_args], trust_remote_code=trust_remote_code,
+                      python=python)
 
 
 def capture_server_env(spool_dir: str, aux_layers: Sequence[int],
@@ -65,21 +66,6 @@ def capture_server_env(spool_dir: str, aux_layers: Sequence[int],
     env[SPOOL_ENV] = str(spool_dir)
     env[AUX_LAYERS_ENV] = ",".join(str(int(i)) for i in aux_layers)
     return env
-
-
-def eval_server_cmd(model_path: str, draft_path: str, tp_size: int, num_steps: int, topk: int,
-                    num_draft_tokens: int, port: int, extra_args: Sequence[str] = (), *,
-                    trust_remote_code: bool = False, python: str = sys.executable) -> List[str]:
-    """An EAGLE-3 serving command; num_draft_tokens 0 = num_steps + 1 (a chain)."""
-    n_draft = int(num_draft_tokens) or int(num_steps) + 1
-    cmd = [python, "-m", "sglang.launch_server", "--model-path", str(model_path),
-           "--tp-size", str(int(tp_size)), "--port", str(int(port)),
-           "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(draft_path),
-           "--speculative-num-steps", str(int(num_steps)), "--speculative-eagle-topk", str(int(topk)),
-           "--speculative-num-draft-tokens", str(n_draft)]
-    if trust_remote_code:
-        cmd.append("--trust-remote-code")
-    return cmd + [str(a) for a in extra_args]
 
 
 def log_tail(path: str, n: int = 40) -> str:
@@ -149,3 +135,17 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_server(cmd: Sequence[str], env: Optional[Mapping[str, str]], log_path: Path, port: int,
+                   timeout: float = SERVER_START_TIMEOUT) -> Iterator[tuple]:
+    """Launch `cmd`, yield (url, process) once /health answers; stop it on exit, error or Ctrl-C."""
+    url = f"http://127.0.0.1:{port}"
+    print(f"[sglang] starting the server ({log_path}): {' '.join(cmd)}")
+    proc = launch(cmd, env, str(log_path), url + "/health", timeout)
+    try:
+        yield url, proc
+    finally:
+        print("[sglang] stopping the server")
+        stop(proc)

@@ -29,9 +29,16 @@ import codecs
 import hashlib
 import json
 import re
+import shlex
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
+
+from eagle3.chat import conversation_problem
+from eagle3.config import CaptureConfig, DataConfig, TargetConfig
+from eagle3.features import template_sha256
+from eagle3.targets import cache_root, load_tokenizer, target_info
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
          "assistant": "assistant", "system": "system"}
@@ -179,19 +186,9 @@ def _count(report: DataReport, reason: str) -> None:
 
 
 def _validate(messages) -> list[dict]:
-    if messages is None:
-        raise BadRecord("malformed record")
-    if not isinstance(messages, list) or not messages:
-        raise BadRecord("empty" if not messages else "malformed record")
-    for m in messages:
-        if not isinstance(m, dict) or "role" not in m or "content" not in m:
-            raise BadRecord("malformed turn")
-        if m["role"] not in ("system", "user", "assistant"):
-            raise BadRecord("unknown role")
-        if not isinstance(m["content"], str):
-            raise BadRecord("non-string content")
-    if not any(m["role"] == "assistant" for m in messages):
-        raise BadRecord("no assistant turn")
+    problem = conversation_problem(messages, needs="assistant")
+    if problem:
+        raise BadRecord(problem)
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
@@ -291,8 +288,8 @@ def select_turns(messages, turns: int = 0, max_prompt_chars: int = 0):
     the answers to them, or BadRecord when its first user turn has max_prompt_chars characters or
     more (0 = no limit). Records that are not lists of turns pass through for render to judge.
 
-    SpecForge's SmolLM2 recipe (ENGINES.md) is turns=1, max_prompt_chars=1500: "the first
-    ShareGPT first turns under 1,500 characters"."""
+    SpecForge's SmolLM2 recipe is turns=1, max_prompt_chars=1500: "the first ShareGPT first turns
+    under 1,500 characters"."""
     if not isinstance(messages, list) or not (turns or max_prompt_chars):
         return messages
     users = [i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"]
@@ -333,3 +330,51 @@ def write_jsonl(path: str | Path, conversations: Iterable[dict]) -> None:
     with open(path, "w", encoding="utf-8") as f:
         for c in conversations:
             f.write(json.dumps(c, ensure_ascii=False) + "\n")
+
+
+def regenerated_path(target_fingerprint: str, chat_template: str | None, data: DataConfig,
+                     max_new_tokens: int) -> Path:
+    """Where the target's own answers to data's conversations live (capture/regenerate.py writes
+    them), keyed by the target, its chat template, the data settings and the answer length."""
+    key = json.dumps({"target": target_fingerprint,
+                      "template": template_sha256(chat_template),
+                      "source": data.source, "path": data.path, "num_samples": data.num_samples,
+                      "max_length": data.max_length, "max_new_tokens": max_new_tokens,
+                      **({"turns": data.turns, "max_prompt_chars": data.max_prompt_chars}
+                         if data.turns or data.max_prompt_chars else {})}, sort_keys=True)
+    return cache_root() / "regen" / f"{hashlib.blake2b(key.encode(), digest_size=8).hexdigest()}.jsonl"
+
+
+def regeneration_command() -> str:
+    """The command that writes this run's regenerated conversations: `python -m capture` with the
+    overrides this process was started with (train.py and python -m capture share one schema)."""
+    keep = [a for a in sys.argv[1:] if not a.startswith(("resume", "capture.regenerate_only"))]
+    return shlex.join(["python", "-m", "capture", *keep, "capture.regenerate_only=true"])
+
+
+def load_samples(target_dir: Path, target: TargetConfig, data: DataConfig,
+                 capture: CaptureConfig | None = None):
+    """(tokenizer, train samples, held-out samples) of a run, with the data report printed.
+
+    With capture.regenerate the conversations are the target's own answers, read from the file the
+    regeneration stage wrote (`python -m capture ... capture.regenerate_only=true`); this only reads,
+    so a missing file stops the run with the command that writes it.
+    """
+    tok = load_tokenizer(target_dir, target.chat_template, target.trust_remote_code)
+    source, path = data.source, data.path
+    if capture is not None and capture.regenerate:
+        regen = regenerated_path(target_info(target_dir).fingerprint, tok.chat_template, data,
+                                 capture.regen_max_new_tokens)
+        if not regen.exists():
+            raise SystemExit(f"error: capture.regenerate=true uses the target's own answers, and "
+                             f"they are not written yet ({regen} is missing). Write them first "
+                             f"(a stopped run resumes where it left off):\n    {regeneration_command()}")
+        source, path = "jsonl", str(regen)
+    train, held, report = build_samples(tok, source, path, data.num_samples, data.max_length,
+                                        data.heldout_fraction, data.min_loss_tokens, data.turns,
+                                        data.max_prompt_chars)
+    print(f"[data] {report.summary()}")
+    if not train:
+        raise SystemExit(f"error: no usable training conversations from data.source={source} "
+                         f"{path}: {report.summary()}")
+    return tok, train, held

@@ -80,51 +80,22 @@ def _conversations(source: str, path: str, num_prompts: int,
                    heldout_fraction: Optional[float]) -> List[Prompt]:
     """First user turn (with any system message before it) of each conversation."""
     from eagle3 import data
+    from eagle3.chat import conversation_problem
     prompts = []
     for cid, messages in data.iter_conversations(source, path):
         if heldout_fraction is not None and not data.is_heldout(cid, heldout_fraction):
             continue
-        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        first_user = next((i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"),
+                          None) if isinstance(messages, list) else None
+        prompt = messages[:first_user + 1] if first_user is not None else messages
+        if conversation_problem(prompt, needs="user") or not prompt[-1]["content"].strip():
             continue                                   # a bad record (eagle3.data counts those)
-        first_user = next((i for i, m in enumerate(messages) if m.get("role") == "user"), None)
-        if first_user is None or not isinstance(messages[first_user].get("content"), str) \
-                or not messages[first_user]["content"].strip():
-            continue
-        prompts.append(Prompt(str(cid), [dict(m) for m in messages[:first_user + 1]]))
+        prompts.append(Prompt(str(cid), [dict(m) for m in prompt]))
         if num_prompts and len(prompts) == num_prompts:
             break
     if not prompts:
         raise ValueError(f"no usable prompts in {source} {path or ''} (held-out split: {heldout_fraction})")
     return prompts
-
-
-def render(tokenizer, messages: Sequence[dict]) -> List[int]:
-    """Token ids of the conversation with the assistant header appended (the chat template's own
-    text; special tokens are already in it, so none are added again)."""
-    text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-_END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "<|end|>", "</s>",
-                "<|eom_id|>", "[EOS]")
-
-
-def stop_token_ids(tokenizer, model_dir: Optional[Path] = None) -> List[int]:
-    """Where a reply ends: the template's end-of-turn tokens that exist as single tokens, the
-    tokenizer's eos and generation_config's eos ids. (SmolLM2's GGUF tokenizer says eos is
-    <|im_start|> = 1; turns really end with <|im_end|> = 2: both are in the set.)"""
-    ids = set()
-    vocab = tokenizer.get_vocab()
-    for tok in _END_OF_TURN:
-        if tok in vocab:
-            ids.add(int(vocab[tok]))
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    gen = Path(model_dir) / "generation_config.json" if model_dir else None
-    if gen is not None and gen.exists():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
-        ids.update(int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None)
-    return sorted(ids)
 
 
 # ----------------------------------------------------------------------------------------------

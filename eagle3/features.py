@@ -1,4 +1,4 @@
-"""The feature dataset: the one contract between capture and training (DESIGN.md "Feature dataset").
+"""The feature dataset: the one contract between capture and training (docs/design.md).
 
 A dataset is a directory of safetensors shards plus manifest.json. A shard holds many samples
 concatenated along tokens:
@@ -378,6 +378,32 @@ def check_storage(ds: FeatureDataset, dtype: str, aux_dtype: str = "") -> None:
             f"{ds.path} holds aux {have['aux']} / final {have['final']}, this capture asks for aux "
             f"{want['aux']} / final {want['final']} (capture.dtype, capture.aux_dtype): delete it or "
             f"point data.features_dir elsewhere")
+
+
+def finished_capture(path, meta: Dict[str, Any], dtype: str, aux_dtype: str = "") -> bool:
+    """True when a finished dataset at `path` is this capture's: its manifest matches meta (engine
+    version aside, so a newer engine keeps it) and its storage dtypes; a mismatch raises."""
+    path = Path(path)
+    if not (path / MANIFEST).exists():
+        return False
+    check_storage(FeatureDataset(path, expected={k: v for k, v in meta.items() if k != "engine"}),
+                  dtype, aux_dtype)
+    print(f"capture: {path} is complete; nothing to do")
+    return True
+
+
+def open_capture(path, meta: Dict[str, Any], sample_ids: Sequence[str], lengths: Sequence[int], *,
+                 dtype: str, shard_tokens: int, aux_dtype: str = "") -> Optional[FeatureWriter]:
+    """The writer of a capture into `path`, resuming the committed shards of an earlier run of it;
+    None when the finished dataset is already there (see finished_capture)."""
+    if finished_capture(path, meta, dtype, aux_dtype):
+        return None
+    writer = FeatureWriter(path, meta, sample_ids, lengths, dtype=dtype, shard_tokens=shard_tokens,
+                           aux_dtype=aux_dtype)
+    done = len(writer.plan) - len(writer.pending_shards())
+    if done:
+        print(f"capture: resuming {writer.partial}: {done} of {len(writer.plan)} shards already done")
+    return writer
 
 
 # ----------------------------------------------------------------------------- batches

@@ -131,7 +131,7 @@ def _dequantize_gguf(gguf: Path, out: Path) -> None:
 
 
 def smollm2_tokenizer():
-    """SmolLM2's tokenizer, read from the GGUF once (~5 s) and cached on its own (tiny targets use it)."""
+    """SmolLM2's tokenizer, read from the GGUF once and cached on its own (tiny targets use it)."""
     from transformers import AutoTokenizer
 
     gguf = smollm2_gguf_path()
@@ -251,6 +251,16 @@ def prepare_target(source: str, path: str, name: str, arch: str, random_config: 
     d = resolve_target(source, path, name, arch, dict(random_config), seed)
     info = target_info(d, name)
     return Target(d, info, check_aux_layers(list(aux_layers) or default_aux_layers(info.num_layers), info.num_layers))
+
+
+def pick_device(name: str) -> str:
+    """"auto" = cuda when there is a GPU, else cpu; any other name as given."""
+    return ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
+
+
+def model_dtype(device: str) -> torch.dtype:
+    """bf16 on GPU; fp32 on CPU, where bf16 matmuls are slow and features are rounded to bf16 on storage."""
+    return torch.bfloat16 if device.startswith("cuda") else torch.float32
 
 
 @contextlib.contextmanager

@@ -23,7 +23,8 @@ import torch
 from torch import nn
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from capture.hf import capture_batch, capture_hidden, decoder_parts, hf_meta, pad_right, plan_batches, run_capture
+from capture.hf import hf_meta, plan_batches, run_capture
+from eagle3.hidden import capture_batch, capture_hidden, decoder_parts, pad_right
 from eagle3.features import FeatureDataset, FeatureDatasetError, collate
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from eagle3 import evaluation as ev
+from eagle3 import chat, evaluation as ev
 from eagle3.export import drafter_config, export_drafter, export_state_dict
 from eagle3.model import DrafterShape, Eagle3Drafter
 
@@ -58,13 +58,13 @@ def test_two_turn_decode_follows_the_models_own_answer():
     from evaluate import decode_prompts
     tok = SimpleNamespace(decode=lambda ids, skip_special_tokens: f"ans{len(ids)}")
     seen = []
-    orig = ev.render
+    orig = chat.render_prompt
     try:
-        ev.render = lambda t, messages: seen.append([dict(m) for m in messages]) or [1, 2, 3]
+        chat.render_prompt = lambda t, messages: seen.append([dict(m) for m in messages]) or [1, 2, 3]
         st = decode_prompts([ev.Prompt("p", [{"role": "user", "content": "q1"}], ["q2"])], tok,
                             lambda ids: ([5] * (4 + len(seen)), 0.5, {"drafts": 2, "accepted": 1, "per_pos": [1, 0]}))
     finally:
-        ev.render = orig
+        chat.render_prompt = orig
     assert seen[1] == [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "ans5"},
                        {"role": "user", "content": "q2"}]
     assert st[0].output_ids == [[5] * 5, [5] * 6] and st[0].num_drafts == 4 and st[0].accepted_per_pos == [2, 0]

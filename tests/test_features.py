@@ -13,7 +13,7 @@ import torch
 from safetensors.numpy import load_file
 
 from eagle3.features import (Batch, FeatureDataset, FeatureDatasetError, FeatureWriter, check_compatible,
-                             collate, make_meta, plan_shards)
+                             collate, make_meta, open_capture, plan_shards)
 
 K, H = 3, 8
 
@@ -181,6 +181,28 @@ def test_resume_with_other_meta_names_both_values(tmp_path):
         FeatureWriter(tmp_path / "ds", meta("smollm2", aux=(1, 2, 4)), ids, lens)
     with pytest.raises(FeatureDatasetError, match="plan_sha256"):           # other samples
         FeatureWriter(tmp_path / "ds", meta("smollm2"), ids, [n + 1 for n in lens])
+
+
+def test_open_capture_resumes_then_keeps_the_finished_dataset(tmp_path, capsys):
+    """open_capture: a writer that resumes committed shards; None once the dataset is finished and
+    its manifest matches (another engine version included); a mismatch or other storage raises."""
+    samples = fake_samples()
+    ids, lens = [s["id"] for s in samples], [len(s["input_ids"]) for s in samples]
+    w = open_capture(tmp_path / "ds", meta(), ids, lens, dtype="bfloat16", shard_tokens=30)
+    for s in samples[:len(w.plan[0])]:                     # shard 0: the first samples, in order
+        w.add(s["id"], s["input_ids"], s["loss_mask"], s["aux"], s["final"])
+    w = open_capture(tmp_path / "ds", meta(), ids, lens, dtype="bfloat16", shard_tokens=30)
+    assert f"1 of {len(w.plan)} shards already done" in capsys.readouterr().out
+    for s in samples[len(w.plan[0]):]:
+        w.add(s["id"], s["input_ids"], s["loss_mask"], s["aux"], s["final"])
+    w.finish()
+    newer = meta()
+    newer["engine"]["version"] = "9.9"
+    assert open_capture(tmp_path / "ds", newer, ids, lens, dtype="bfloat16", shard_tokens=30) is None
+    with pytest.raises(FeatureDatasetError, match=r"target\.name"):
+        open_capture(tmp_path / "ds", meta("other"), ids, lens, dtype="bfloat16", shard_tokens=30)
+    with pytest.raises(FeatureDatasetError, match="capture.dtype"):
+        open_capture(tmp_path / "ds", meta(), ids, lens, dtype="float16", shard_tokens=30)
 
 
 def test_finish_refuses_missing_samples(tmp_path):

@@ -14,9 +14,11 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from capture import regenerate as R
+from eagle3 import data as D
+from eagle3 import chat
 from eagle3.config import CaptureConfig, DataConfig, TargetConfig
-from eagle3.data import build_samples
-from eagle3.targets import resolve_target, smollm2_tokenizer
+from eagle3.data import build_samples, load_samples
+from eagle3.targets import resolve_target, smollm2_tokenizer, target_info
 
 NEW = 6
 CONVS = [
@@ -46,7 +48,7 @@ def model(tok):
 
 def reference_answer(model, tok, messages, stop_ids):
     """transformers' greedy generate on one unpadded prompt, cut at the first end-of-turn token."""
-    ids = torch.tensor([R.prompt_ids(tok, messages)])
+    ids = torch.tensor([chat.render_prompt(tok, messages)])
     with torch.no_grad():
         out = model.generate(ids, do_sample=False, max_new_tokens=NEW, eos_token_id=stop_ids,
                              pad_token_id=stop_ids[0])
@@ -58,12 +60,8 @@ def read(path):
     return [json.loads(line) for line in open(path)]
 
 
-def test_end_of_turn_is_im_end(tok):
-    assert R.end_of_turn_ids(tok)[0] == tok.convert_tokens_to_ids("<|im_end|>")
-
-
 def test_answers_are_greedy_generate_and_resume_skips_done_ids(tok, model, tmp_path):
-    stop_ids = R.end_of_turn_ids(tok)
+    stop_ids = chat.stop_ids(tok)
     calls = []
 
     def counting(gen):
@@ -107,7 +105,7 @@ def test_answers_are_greedy_generate_and_resume_skips_done_ids(tok, model, tmp_p
 def test_a_time_limit_keeps_finished_chunks_and_a_rerun_completes_them(tok, model, tmp_path):
     import time
 
-    stop_ids = R.end_of_turn_ids(tok)
+    stop_ids = chat.stop_ids(tok)
     gen = R.hf_generate(model, stop_ids, NEW, batch_size=4)
 
     def slow(prompts):              # every round takes 0.3 s, so a one-conversation chunk >= 0.3 s
@@ -126,8 +124,8 @@ def test_a_time_limit_keeps_finished_chunks_and_a_rerun_completes_them(tok, mode
 
 
 def test_a_prompt_at_max_length_ends_the_conversation(tok, model, tmp_path):
-    stop_ids = R.end_of_turn_ids(tok)
-    first = len(R.prompt_ids(tok, CONVS[0][1][:1]))
+    stop_ids = chat.stop_ids(tok)
+    first = len(chat.render_prompt(tok, CONVS[0][1][:1]))
     path = tmp_path / "regen.jsonl"
     R.regenerate_conversations(CONVS[:1], tok, R.hf_generate(model, stop_ids, NEW), path,
                                max_prompt_tokens=first + NEW + 2, progress=False)
@@ -145,37 +143,58 @@ def tiny_target_and_source(tmp_path):
     return src, target, resolve_target(target.source, "", target.name, target.arch, rc, 0)
 
 
-def test_load_samples_reads_the_regenerated_conversations(tok, tmp_path, monkeypatch):
-    from capture.run import load_samples
-
-    monkeypatch.setattr(R, "cache_root", lambda: tmp_path / "cache")
+def test_loading_only_reads_the_regenerated_conversations(tok, tmp_path, monkeypatch):
+    """Before regeneration, loading stops naming the file and the command that writes it; after it,
+    the samples are the regenerated file's, not the source's."""
+    monkeypatch.setattr(D, "cache_root", lambda: tmp_path / "cache")
+    monkeypatch.setattr(D.sys, "argv", ["train.py", "+experiment=smollm2_peer", "resume=true"])
     src, target, target_dir = tiny_target_and_source(tmp_path)
     data = DataConfig(source="jsonl", path=str(src), num_samples=3, max_length=256, heldout_fraction=0.0)
     cap = CaptureConfig(backend="hf", regenerate=True, regen_max_new_tokens=NEW, device="cpu")
+    with pytest.raises(SystemExit) as stop:
+        load_samples(target_dir, target, data, cap)
+    path = D.regenerated_path(target_info(target_dir).fingerprint, tok.chat_template, data, NEW)
+    assert str(path) in str(stop.value)
+    assert "python -m capture +experiment=smollm2_peer capture.regenerate_only=true" in str(stop.value)
+    assert not (tmp_path / "cache").exists()                  # nothing was generated
+
+    assert R.regenerate(target_dir, target, data, cap, tok, target_info(target_dir)) == path
     tok2, train, _ = load_samples(target_dir, target, data, cap)
-    (cache,) = list((tmp_path / "cache" / "regen").glob("*.jsonl"))
-    recs = {r["id"]: r for r in read(cache)}
+    recs = {r["id"]: r for r in read(path)}
     assert [s.id for s in train] == ["a", "b", "c"]
-    ref, _, _ = build_samples(tok2, "jsonl", str(cache), 0, 256, 0.0)
+    ref, _, _ = build_samples(tok2, "jsonl", str(path), 0, 256, 0.0)
     assert [(s.id, s.input_ids, s.loss_mask) for s in train] == [(s.id, s.input_ids, s.loss_mask) for s in ref]
     for s in train:
         text = tok2.decode(s.input_ids)
         assert "Blue." not in text and recs[s.id]["messages"][-1]["content"] in text
 
 
+def test_a_stopped_regeneration_stays_partial_until_a_rerun_completes_it(tok, tmp_path, monkeypatch):
+    """Answers go to <key>.partial.jsonl; only a complete set is renamed to the path loading reads."""
+    monkeypatch.setattr(D, "cache_root", lambda: tmp_path / "cache")
+    src, target, target_dir = tiny_target_and_source(tmp_path)
+    data = DataConfig(source="jsonl", path=str(src), max_length=256)
+    cap = CaptureConfig(backend="hf", regenerate=True, regen_max_new_tokens=NEW, device="cpu", regen_chunk=1)
+    info = target_info(target_dir)
+    path = D.regenerated_path(info.fingerprint, tok.chat_template, data, NEW)
+    partial = path.with_name(f"{path.stem}.partial.jsonl")
+    partial.parent.mkdir(parents=True)
+    partial.write_text(json.dumps({"id": "a", "messages": [], "regen": {}}) + "\n")   # as if stopped after "a"
+    assert R.regenerate(target_dir, target, data, cap, tok, info) == path
+    assert [r["id"] for r in read(path)] == ["a", "b", "c"] and not partial.exists()
+
+
 def test_two_workers_write_the_same_cache_as_one(tok, tmp_path, monkeypatch):
     """regen_workers=2 (two CPU processes here, two GPUs on a GPU machine): parts merged in
     conversation order, equal to the single-process cache, and removed afterwards."""
-    from eagle3.targets import target_info
-
     src, target, target_dir = tiny_target_and_source(tmp_path)
     data = DataConfig(source="jsonl", path=str(src), max_length=256)
     caches = []
     for workers in (1, 2):
-        monkeypatch.setattr(R, "cache_root", lambda w=workers: tmp_path / f"cache{w}")
+        monkeypatch.setattr(D, "cache_root", lambda w=workers: tmp_path / f"cache{w}")
         cap = CaptureConfig(backend="hf", regenerate=True, regen_max_new_tokens=NEW, device="cpu",
                             regen_workers=workers)
-        caches.append(R.regenerated_data(target_dir, target, data, cap, tok, target_info(target_dir)))
+        caches.append(R.regenerate(target_dir, target, data, cap, tok, target_info(target_dir)))
     assert caches[0].read_text() == caches[1].read_text()
     assert [r["id"] for r in read(caches[1])] == ["a", "b", "c"]
     assert sorted(p.name for p in caches[1].parent.iterdir()) == [caches[1].name]

@@ -3,7 +3,7 @@
     .venv/bin/python -m pytest tests/test_sglang_client.py -q
 
 The fake server is a real HTTP server on 127.0.0.1: for each /generate it computes the tiny
-target's hidden states with capture.hf.capture_hidden (one unpadded sample) and writes the spool
+target's hidden states with eagle3.hidden.capture_hidden (one unpadded sample) and writes the spool
 entry with the plugin's own write_request / write_error, a little after answering (the plugin
 writes on a background thread). Independent truth: the hf backend's dataset of the same samples
 (padded batches, its own writer path), compared field by field and within bf16 rounding.
@@ -21,9 +21,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from capture.hf import capture_hidden, hf_meta, run_capture
+from capture.hf import hf_meta, run_capture
 from capture.sglang_client import capture_sglang, request_bytes, rid_map, spool_bytes, spool_rid
 from capture.sglang_plugin import safe_rid, write_error, write_request
+from eagle3.hidden import capture_hidden
 from eagle3.config import CaptureConfig
 from eagle3.features import FeatureDataset
 from eagle3.targets import target_info

@@ -232,3 +232,9 @@ def test_final_norm_is_read_under_each_checkpoint_naming(tmp_path, prefix):
     save_file({"model.embed_tokens.weight": torch.randn(4, 8)}, str(tmp_path / "model.safetensors"))
     with pytest.raises(KeyError, match=str(tmp_path)):
         load_final_norm(tmp_path)
+
+
+def test_pick_device_and_model_dtype():
+    assert targets.pick_device("cpu") == "cpu" and targets.pick_device("cuda:1") == "cuda:1"
+    assert targets.pick_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert targets.model_dtype("cuda:0") == torch.bfloat16 and targets.model_dtype("cpu") == torch.float32

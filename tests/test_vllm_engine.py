@@ -44,7 +44,7 @@ def fit_memorizing_drafter(out_root: Path, steps: int = 80) -> Path:
     """Greedy SmolLM2 answers to the evaluated prompts -> aux/next-token pairs -> a drafter trained
     (step 0 only, hard labels = the target's greedy tokens) until it reproduces them. Exported with
     the real exporter, so the engine reads exactly what training would hand it."""
-    from eagle3 import evaluation as ev
+    from eagle3 import chat, evaluation as ev
     from eagle3.export import export_drafter
     from eagle3.model import DrafterShape, Eagle3Drafter
     from eagle3.specdec import greedy_decode
@@ -56,11 +56,11 @@ def fit_memorizing_drafter(out_root: Path, steps: int = 80) -> Path:
     info = target_info(tdir)
     tok = load_tokenizer(tdir)
     model = load_target_model(tdir, torch.float32, "cpu")   # fp32: faster than bf16 on this CPU
-    stop = ev.stop_token_ids(tok, tdir)
+    stop = chat.stop_ids(tok, tdir)
     aux_layers = default_aux_layers(info.num_layers)
     seqs, masks = [], []
     for p in ev.load_prompts("mt_bench", NUM_PROMPTS):
-        ids = ev.render(tok, p.messages)
+        ids = chat.render_prompt(tok, p.messages)
         ans, _ = greedy_decode(model, ids, MAX_NEW, stop)
         seqs.append(ids + ans)
         masks.append([0] * len(ids) + [1] * len(ans))

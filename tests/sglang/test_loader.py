@@ -34,7 +34,8 @@ pytest.importorskip("sglang.srt.models.llama_eagle3",
 import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
-from capture.sglang_server import eval_server_cmd, free_port  # noqa: E402
+from capture.sglang_server import free_port  # noqa: E402
+from eagle3.serving import eval_server_cmd  # noqa: E402
 from eagle3.export import export_drafter  # noqa: E402
 from eagle3.model import DrafterShape, Eagle3Drafter  # noqa: E402
 from sglang_chain import layers_sglang_captures  # noqa: E402

@@ -1,10 +1,10 @@
-"""Our capture and evaluation command lines, parsed and resolved by SGLang 0.5.23's own ServerArgs.
+"""Our plain, capture and evaluation command lines, parsed and resolved by SGLang 0.5.23's own ServerArgs.
 
     .venv-sglang/bin/python -m pytest tests/sglang/test_server_args.py -q
 
 The aux-id chain is checked end to end against SGLang's code: our aux_layers -> capture_server_cmd's
 --return-aux-hidden-state-layer-ids -> SGLang's resolution and capture config -> the model's
-set_eagle3_layers_to_capture -> `layers_to_capture`, which must equal aux_layers (DESIGN.md: the
+set_eagle3_layers_to_capture -> `layers_to_capture`, which must equal aux_layers (docs/design.md: the
 project's index is SGLang's internal layers_to_capture meaning).
 """
 from __future__ import annotations
@@ -21,7 +21,8 @@ pytest.importorskip("sglang.srt.server_args",
 from sglang.srt.arg_groups.model_override_base import resolved_view  # noqa: E402
 from sglang.srt.server_args import prepare_server_args  # noqa: E402
 
-from capture.sglang_server import capture_server_cmd, eval_server_cmd  # noqa: E402
+from capture.sglang_server import capture_server_cmd  # noqa: E402
+from eagle3.serving import eval_server_cmd, server_cmd  # noqa: E402
 
 
 def resolve(cmd):
@@ -29,6 +30,15 @@ def resolve(cmd):
     sa = prepare_server_args(cmd[3:])
     sa.resolve_once()
     return sa, resolved_view(sa)
+
+
+def test_plain_cmd_resolves(tiny_llama_dir):
+    cmd = server_cmd(str(tiny_llama_dir), 1, 31233, ["--device", "cpu", "--skip-tokenizer-init"])
+    _, v = resolve(cmd)
+    assert v.tp_size == 1 and v.port == 31233 and not v.trust_remote_code
+    assert v.speculative_algorithm is None and not v.enable_return_aux_hidden_states
+    sa = prepare_server_args(server_cmd("/models/Kimi-K2.5", 8, 30000, trust_remote_code=True)[3:])
+    assert (sa.tp_size, sa.port, sa.trust_remote_code) == (8, 30000, True)
 
 
 def test_capture_cmd_resolves_and_reaches_layers_to_capture(tiny_llama_dir):

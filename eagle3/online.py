@@ -1,5 +1,5 @@
 """Online training data: the target runs in the training process and computes aux/final per batch
-with the same hooks as the hf capture backend; nothing touches disk."""
+with the same hooks as the hf capture backend (eagle3/hidden.py); nothing touches disk."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,10 +7,10 @@ from typing import Sequence
 
 import torch
 
-from capture.hf import capture_batch, pad_right
-from capture.run import load_samples
 from eagle3.config import CaptureConfig, DataConfig, TargetConfig
+from eagle3.data import load_samples
 from eagle3.features import Batch
+from eagle3.hidden import capture_batch, pad_right
 from eagle3.targets import load_target_model
 
 
