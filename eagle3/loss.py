@@ -41,16 +41,12 @@ def target_teacher(final: torch.Tensor, target_lm_head: torch.Tensor, draft_ids:
                    chunk_rows: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """final [B, T, Ht], target_lm_head [V, Ht], draft_ids [Vd] -> (p [B, T, Vd] fp32 softmax of
     the target logits over the draft columns, top [B, T] int64 full-vocab argmax)."""
-    B, T, Ht = final.shape
-    V = target_lm_head.shape[0]
-    rows = final.reshape(B * T, Ht).to(target_lm_head.dtype)
-    chunk = chunk_rows or max(1, (1 << 28) // V)        # about 2^28 logits alive at once
+    B, T, _ = final.shape
     dt = torch.promote_types(target_lm_head.dtype, torch.float32)      # fp32 (fp64 in tests)
     p = torch.empty(B * T, draft_ids.numel(), dtype=dt, device=final.device)
     top = torch.empty(B * T, dtype=torch.int64, device=final.device)
-    for i in range(0, B * T, chunk):
-        logits = rows[i:i + chunk] @ target_lm_head.T                # [c, V]
-        top[i:i + chunk], p[i:i + chunk] = _teacher_rows(logits, draft_ids, dt)
+    for span, logits in _target_logits(final, target_lm_head, chunk_rows):
+        top[span], p[span] = _teacher_rows(logits, draft_ids, dt)
     return p.view(B, T, -1), top.view(B, T)
 
 
@@ -59,16 +55,22 @@ def draft_mass(final: torch.Tensor, target_lm_head: torch.Tensor, draft_ids: tor
                chunk_rows: Optional[int] = None) -> torch.Tensor:
     """[B, T] (fp32+): the target's full-vocab probability mass on the draft columns, row by row
     (c in eagle3/losses.py), a chunk of rows at a time like target_teacher."""
-    B, T, Ht = final.shape
-    V = target_lm_head.shape[0]
-    rows = final.reshape(B * T, Ht).to(target_lm_head.dtype)
-    chunk = chunk_rows or max(1, (1 << 28) // V)
+    B, T, _ = final.shape
     dt = torch.promote_types(target_lm_head.dtype, torch.float32)
     mass = torch.empty(B * T, dtype=dt, device=final.device)
-    for i in range(0, B * T, chunk):
-        logits = (rows[i:i + chunk] @ target_lm_head.T).to(dt)             # [c, V]
-        mass[i:i + chunk] = (logits[:, draft_ids].logsumexp(-1) - logits.logsumexp(-1)).exp()
+    for span, logits in _target_logits(final, target_lm_head, chunk_rows):
+        logits = logits.to(dt)
+        mass[span] = (logits[:, draft_ids].logsumexp(-1) - logits.logsumexp(-1)).exp()
     return mass.view(B, T)
+
+
+def _target_logits(final: torch.Tensor, target_lm_head: torch.Tensor, chunk_rows: Optional[int]):
+    """(slice of the B*T rows, their full-vocab logits [c, V]), a chunk of rows at a time: about
+    2^28 logits alive at once (the whole [B*T, V] would not fit at a large vocab and length)."""
+    rows = final.reshape(-1, final.shape[-1]).to(target_lm_head.dtype)
+    chunk = chunk_rows or max(1, (1 << 28) // target_lm_head.shape[0])
+    for i in range(0, rows.shape[0], chunk):
+        yield slice(i, i + chunk), rows[i:i + chunk] @ target_lm_head.T
 
 
 # One kernel on a GPU (eagle3/fused.py): the argmax and the draft columns' softmax read the logits
@@ -141,7 +143,7 @@ def ttt_loss(drafter: Eagle3Drafter, input_ids: torch.Tensor, loss_mask: torch.T
     counted rows' logits.
 
     teacher: target_teacher's (p, top) when the caller computed it already. norm [S]: divide step s's
-    summed CE by norm[s] instead of this batch's count, so micro-batches and data-parallel ranks add
+    summed loss by norm[s] instead of this batch's count, so micro-batches and data-parallel ranks add
     up to the loss of the whole global batch (train.py passes the global counts); per_step_loss
     stays this batch's mean."""
     check_loss(loss)

@@ -61,8 +61,9 @@ def _jsd(p: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
 
 def _lk(kl: torch.Tensor, alpha: torch.Tensor, step: torch.Tensor, steps: int) -> torch.Tensor:
     """LK^lambda: lam * KL(p || q) + (1 - lam) * (1 - alpha), lam = exp(-eta * mean alpha) with the
-    mean over the rows of the same TTT step, held constant (no gradient): KL's strong gradient
-    while the drafter overlaps the target little, acceptance itself as it learns."""
+    mean over the rows of the same TTT step in this (micro-)batch, held constant (no gradient):
+    KL's strong gradient while the drafter overlaps the target little, acceptance itself as it
+    learns."""
     with torch.no_grad():
         one_hot = F.one_hot(step, steps).to(alpha.dtype)                   # [N, S]
         mean = (one_hot * alpha[:, None]).sum(0) / one_hot.sum(0).clamp(min=1)
