@@ -5,9 +5,9 @@
 Layout (docs/design.md): LlamaForCausalLMEagle3 with `fc`, `midlayer.*`, `norm`, `lm_head` over the
 draft vocab, `d2t [Vd] int64` (target_id - draft_id) and `t2d [V] bool`; with EAGLE-3.1's fc_norm
 also `fc_norm.{i}.weight`, and config.json's `fc_norm` / `norm_output` say which of its two norms
-the drafter uses (docs/ttt.md). The target's embedding is not exported: engines share the target's. The two directories differ only in
-`eagle_config.eagle_aux_hidden_state_layer_ids`, which each engine reads with its own offset
-(eagle3/engine_ids.py).
+the drafter uses (docs/ttt.md). The target's embedding is not exported: engines share the target's.
+The two directories differ only in `eagle_config.eagle_aux_hidden_state_layer_ids`, which each
+engine reads with its own offset (eagle3/engine_ids.py).
 
 A resharded export (for committing a drafter to git) holds the same tensors in Hugging Face's
 sharded layout: model-0000i-of-0000N.safetensors plus model.safetensors.index.json, which SGLang,
