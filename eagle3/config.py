@@ -55,6 +55,8 @@ class DrafterConfig:
     head_dim: int = 0
     draft_vocab_size: int = 32000             # capped at the target vocab
     head_from_target: bool = False            # start lm_head (the draft-vocab rows) and norm from the target's
+    fc_norm: bool = False                     # EAGLE-3.1: an RMSNorm on each aux state before fc
+    norm_output: bool = False                 # EAGLE-3.1: the next draft step reads the normed hidden
     rms_norm_eps: float = 0.0
     rope_theta: float = 0.0
     max_position_embeddings: int = 0
@@ -87,6 +89,7 @@ class TrainConfig:
     length_groups: int = 0                    # >1: batches of similar length, sorted within runs of this many batches (train.batch_indices)
     ttt_steps: int = 7
     step_decay: float = 0.8
+    loss: str = "soft_ce"                     # soft_ce | kl | tv | jsd | lk | lk_alpha (eagle3/losses.py, docs/ttt.md)
     mode: str = "offline"                     # offline: feature dataset | online: target in-process
     log_every: int = 10
     eval_every: int = 100

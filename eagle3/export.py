@@ -3,11 +3,12 @@
     python -m eagle3.export reshard SRC DST [--max-mb 5]   # the same export as shards of <= 5 MB each
     python -m eagle3.export RUN_DIR                        # export a run's latest checkpoint (eagle3/export_run.py)
 
-Layout (DESIGN.md "Drafter export"): LlamaForCausalLMEagle3 with `fc`, `midlayer.*`, `norm`, `lm_head`
-over the draft vocab, `d2t [Vd] int64` (target_id - draft_id) and `t2d [V] bool`. The target's
-embedding is not exported: engines share the target's. The two directories differ only in
-`eagle_config.eagle_aux_hidden_state_layer_ids`, which each engine reads with its own offset
-(eagle3/engine_ids.py).
+Layout (docs/design.md): LlamaForCausalLMEagle3 with `fc`, `midlayer.*`, `norm`, `lm_head` over the
+draft vocab, `d2t [Vd] int64` (target_id - draft_id) and `t2d [V] bool`; with EAGLE-3.1's fc_norm
+also `fc_norm.{i}.weight`, and config.json's `fc_norm` / `norm_output` say which of its two norms
+the drafter uses (docs/ttt.md). The target's embedding is not exported: engines share the target's.
+The two directories differ only in `eagle_config.eagle_aux_hidden_state_layer_ids`, which each
+engine reads with its own offset (eagle3/engine_ids.py).
 
 A resharded export (for committing a drafter to git) holds the same tensors in Hugging Face's
 sharded layout: model-0000i-of-0000N.safetensors plus model.safetensors.index.json, which SGLang,
@@ -71,6 +72,7 @@ def export_drafter(out_root: Path, model_state: Dict[str, torch.Tensor], shape, 
     mis-wired drafters and show that acceptance catches them.
     """
     tensors = export_state_dict(model_state, d2t, t2d)
+    check_norm_weights(tensors, shape)
     written = {}
     for engine in engines:
         cfg = drafter_config(shape, aux_layers, engine, target_arch, target_name, target_fingerprint)
@@ -86,6 +88,17 @@ def export_drafter(out_root: Path, model_state: Dict[str, torch.Tensor], shape, 
         os.replace(tmp, final)
         written[engine] = final
     return written
+
+
+def check_norm_weights(tensors: Dict[str, torch.Tensor], shape) -> None:
+    """The config must describe the weights: SGLang builds fc_norm from config.json's `fc_norm`
+    and silently skips weights it has no module for, so fc_norm weights under a config without it
+    (or the reverse, norms left at ones) would serve a different drafter than the one trained."""
+    have = sorted(k for k in tensors if k.startswith("fc_norm."))
+    want = sorted(f"fc_norm.{i}.weight" for i in range(shape.num_aux)) if shape.fc_norm else []
+    if have != want:
+        raise ValueError(f"drafter weights {have or 'without fc_norm'} do not match fc_norm={shape.fc_norm} "
+                         f"(expected {want or 'none'}): export the shape the drafter was built with")
 
 
 def load_export(export_dir: Path) -> Tuple[Dict[str, torch.Tensor], dict]:

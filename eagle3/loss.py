@@ -1,64 +1,11 @@
-"""Training-time test (TTT): the drafter unrolled for `ttt_steps` draft steps, as it runs in SGLang.
+"""Training-time test (TTT): the drafter unrolled for `ttt_steps` draft steps, as the engines run it.
 
-Alignment (x = input_ids, rows t = 0..T-1 of one sequence):
-  step 0, row t: hidden fc(aux_t), token x_{t+1}                -> predicts x_{t+2}
-  step s, row t: hidden = the drafter's own h_out of step s-1 at row t, token x_{t+1+s}
-                                                                  -> predicts x_{t+2+s}
-  teacher of (s, t): the target's logits at row t+1+s (final[t+1+s] @ lm_head.T), which predict
-  that same token x_{t+2+s}.
-  Counted where loss_mask[t+2+s] == 1 (an assistant token), attention_mask[t+2+s] (a real token,
-  so every row it depends on is real too: right padding), and the target's argmax over the FULL
-  vocab at row t+1+s lies in the draft vocab (t2d): a position the drafter cannot get right is
-  not trained on. SpecForge counts loss_mask[t] of the row instead of the predicted token's; ours
-  trains exactly the tokens the target will be asked to accept.
-
-Attention (what SGLang's chain drafting sees): row t at step s attends to the step-0 keys of rows
-j <= t of its own sequence (the draft KV cache holds one step-0 row per accepted token) and to its
-own keys of steps 1..s at row t. So the keys at step s are [K_0 | K_1 | ... | K_s] (each [T]) with
-the mask [causal | diag | ... | diag] (`ttt_mask` spells it out; SpecForge's flex mask is the same).
-`eagle3.attention.attend` computes exactly that without the mask: fused attention over K_0 (causal),
-the s diagonal keys as s dot products per row, merged by log-sum-exp. Right padding needs no mask:
-a real row t sees only rows j <= t, all real; padded rows are never counted nor seen by real ones.
-
-Positions: step s at row t uses RoPE position t+s. SGLang's draft extend runs row t (h_t, x_{t+1})
-at position t, and its draft decode loop starts at `seq_lens` (one past the last accepted row) and
-does `positions.add_(1)` after each step (speculative/eagle_worker_v2.py, eagle_worker_common.py);
-SpecForge's sdpa path rotates step s with `position_ids + s` likewise. Training at any other
-position would train a drafter that the engine then runs off its training distribution.
-
-Loss: teacher p = softmax of the target logits restricted to the draft-vocab columns (d2t+arange);
-per step the soft cross-entropy -sum_v p log q is AVERAGED OVER THAT STEP'S COUNTED POSITIONS of
-the (micro-)batch, then weighted decay**s and summed over steps. (SpecForge divides each step's
-sum by B*T, counted or not; ours does not depend on padding or on how many positions the mask
-drops.) Accuracy per step: draft argmax mapped to its target id == the target's full-vocab argmax,
-over the counted positions; `correct` and `count` are returned so callers can sum over batches and
-ranks before dividing.
-
-What an engine would accept (`accepted`, `chained`): accuracy above is per step, over the rows that
-step counts, so it overstates served acceptance twice: a token outside the draft vocab is left out
-instead of counted as a miss, and step s is scored whether or not steps 0..s-1 were right. A chain
-drafted at row t is accepted up to position s only if steps 0..s at row t ALL hit; every row whose
-step-0 token x_{t+2} is a real assistant token starts a chain (`chained`), draftable or not. So
-accepted[s] / chained is the unconditional acceptance of draft position s, the engines' per-position
-figure, and 1 + sum_{s<n} of it estimates tau at a chain of n. The teacher-forced token of step s is
-the data's x_{t+1+s}: it is what the engine feeds only when the data is the target's own greedy
-text (regenerated answers), which is when this estimate is meant to hold.
-
-Memory: the target's full-vocab logits are made once per batch, a chunk of rows at a time
-(V = 163840 at T = 4096 would be 1.3 GB in bf16); only the draft-vocab columns (as fp32 softmax)
-and the argmax are kept. The drafter's lm_head runs only on counted rows, and the soft
-cross-entropy keeps only those rows' logits (in the compute dtype) and their log-sum-exp for
-backward; the teacher rows are gathered again from p rather than kept per step.
-
-Work shared across steps: the token embedding's part of q/k/v (step s at row t reads the token of
-row t+s+1) is projected once for all steps (eagle3.model.DecoderLayer.embed_qkv) and each step reads
-its window of rows, the gradients of all windows summed in one buffer; the weights are cast once
-per unroll, and the gradient of each weight that every step uses is summed inside its GEMMs
-(eagle3/reused.py).
-
-Order: the S layer steps run first, then the heads (lm_head and loss) of all S steps at once over
-their counted rows, so that the host learns how many rows there are (`CountedRows`) long after the
-GPU found them, and never waits for it (see there), and queues a few large kernels for the heads.
+Step s at row t reads the hidden of step s-1 at row t (step 0: fc(aux_t)) and token x_{t+1+s}, sits
+at position t+s, attends to the step-0 keys of rows <= t and to its own keys of steps 1..s, and is
+taught by the target's distribution at row t+1+s (the prediction of x_{t+2+s}). A row counts when
+x_{t+2+s} is a real assistant token the drafter can draft. Per step, the loss (`train.loss`,
+eagle3/losses.py) is averaged over that step's counted rows and weighted decay**s. docs/ttt.md
+explains each rule, the acceptance estimate and how the work is ordered.
 """
 from __future__ import annotations
 
@@ -69,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from eagle3.fused import fused
+from eagle3.losses import NEEDS_MASS, check_loss, row_losses
 from eagle3.model import Eagle3Drafter
 from eagle3.vocab import DraftVocab
 
@@ -76,7 +24,7 @@ from eagle3.vocab import DraftVocab
 @dataclass
 class TTTOutput:
     loss: torch.Tensor            # scalar, differentiable: sum_s decay**s * per_step_loss[s]
-    per_step_loss: torch.Tensor   # [S] fp32, detached: mean soft CE over step s's counted rows
+    per_step_loss: torch.Tensor   # [S] fp32, detached: mean loss over step s's counted rows
     correct: torch.Tensor         # [S] int64: counted rows where draft argmax == target argmax
     count: torch.Tensor           # [S] int64: counted rows
     accepted: torch.Tensor        # [S] int64: chain rows whose steps 0..s all hit
@@ -93,17 +41,36 @@ def target_teacher(final: torch.Tensor, target_lm_head: torch.Tensor, draft_ids:
                    chunk_rows: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """final [B, T, Ht], target_lm_head [V, Ht], draft_ids [Vd] -> (p [B, T, Vd] fp32 softmax of
     the target logits over the draft columns, top [B, T] int64 full-vocab argmax)."""
-    B, T, Ht = final.shape
-    V = target_lm_head.shape[0]
-    rows = final.reshape(B * T, Ht).to(target_lm_head.dtype)
-    chunk = chunk_rows or max(1, (1 << 28) // V)        # about 2^28 logits alive at once
+    B, T, _ = final.shape
     dt = torch.promote_types(target_lm_head.dtype, torch.float32)      # fp32 (fp64 in tests)
     p = torch.empty(B * T, draft_ids.numel(), dtype=dt, device=final.device)
     top = torch.empty(B * T, dtype=torch.int64, device=final.device)
-    for i in range(0, B * T, chunk):
-        logits = rows[i:i + chunk] @ target_lm_head.T                # [c, V]
-        top[i:i + chunk], p[i:i + chunk] = _teacher_rows(logits, draft_ids, dt)
+    for span, logits in _target_logits(final, target_lm_head, chunk_rows):
+        top[span], p[span] = _teacher_rows(logits, draft_ids, dt)
     return p.view(B, T, -1), top.view(B, T)
+
+
+@torch.no_grad()
+def draft_mass(final: torch.Tensor, target_lm_head: torch.Tensor, draft_ids: torch.Tensor,
+               chunk_rows: Optional[int] = None) -> torch.Tensor:
+    """[B, T] (fp32+): the target's full-vocab probability mass on the draft columns, row by row
+    (c in eagle3/losses.py), a chunk of rows at a time like target_teacher."""
+    B, T, _ = final.shape
+    dt = torch.promote_types(target_lm_head.dtype, torch.float32)
+    mass = torch.empty(B * T, dtype=dt, device=final.device)
+    for span, logits in _target_logits(final, target_lm_head, chunk_rows):
+        logits = logits.to(dt)
+        mass[span] = (logits[:, draft_ids].logsumexp(-1) - logits.logsumexp(-1)).exp()
+    return mass.view(B, T)
+
+
+def _target_logits(final: torch.Tensor, target_lm_head: torch.Tensor, chunk_rows: Optional[int]):
+    """(slice of the B*T rows, their full-vocab logits [c, V]), a chunk of rows at a time: about
+    2^28 logits alive at once (the whole [B*T, V] would not fit at a large vocab and length)."""
+    rows = final.reshape(-1, final.shape[-1]).to(target_lm_head.dtype)
+    chunk = chunk_rows or max(1, (1 << 28) // target_lm_head.shape[0])
+    for i in range(0, rows.shape[0], chunk):
+        yield slice(i, i + chunk), rows[i:i + chunk] @ target_lm_head.T
 
 
 # One kernel on a GPU (eagle3/fused.py): the argmax and the draft columns' softmax read the logits
@@ -131,9 +98,7 @@ class _SoftCrossEntropy(torch.autograd.Function):
     (p sums to 1), and argmax(z) [N] (no gradient). The forward's one pass over z also writes the
     gradient's row part d[i] = softmax(z[i]) - p[rows[i]] in z's dtype and saves it instead of z;
     the backward only scales its rows by the upstream gradient, dz = g[:, None] * d, reading and
-    writing bf16 instead of re-reading z and the gathered fp32 teacher rows. (On an H200 at the
-    Kimi-size heads of 4096 tokens, 28637 x 32000, forward + backward: 6.78 ms before, 6.55 ms so,
-    4.78 ms with the widths compiled as constants, eagle3/fused.py; docs/perf.md.) The accuracy's
+    writing bf16 instead of re-reading z and the gathered fp32 teacher rows. The accuracy's
     argmax, too, comes from this pass, not a pass of its own."""
 
     @staticmethod
@@ -171,19 +136,23 @@ def ttt_loss(drafter: Eagle3Drafter, input_ids: torch.Tensor, loss_mask: torch.T
              attention_mask: torch.Tensor, aux: torch.Tensor, final: torch.Tensor,
              target_lm_head: torch.Tensor, vocab: DraftVocab, ttt_steps: int = 7,
              decay: float = 0.8, teacher: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
-             norm: Optional[torch.Tensor] = None) -> TTTOutput:
+             norm: Optional[torch.Tensor] = None, loss: str = "soft_ce") -> TTTOutput:
     """input_ids, loss_mask, attention_mask [B, T] (right padding); aux [B, T, k*Ht];
     final [B, T, Ht] (post-norm target hidden); target_lm_head [V, Ht]. See the module doc.
+    loss: one of eagle3.losses.LOSSES; soft_ce runs fused, the others in plain torch over the
+    counted rows' logits.
 
     teacher: target_teacher's (p, top) when the caller computed it already. norm [S]: divide step s's
-    summed CE by norm[s] instead of this batch's count, so micro-batches and data-parallel ranks add
+    summed loss by norm[s] instead of this batch's count, so micro-batches and data-parallel ranks add
     up to the loss of the whole global batch (train.py passes the global counts); per_step_loss
     stays this batch's mean."""
+    check_loss(loss)
     B, T = input_ids.shape
     dev = input_ids.device
     real = attention_mask.bool()
     draft_ids = vocab.draft_ids.to(dev)
     p, top = teacher if teacher is not None else target_teacher(final, target_lm_head, draft_ids)
+    mass = draft_mass(final, target_lm_head, draft_ids).reshape(B * T) if loss in NEEDS_MASS else None
     t2d = vocab.t2d.to(dev)
     # RoPE: step s at row t is at position t+s (see the module doc): angles once for all steps
     cos, sin = drafter.rope_angles(torch.arange(T - 1 + ttt_steps, device=dev).expand(B, -1))
@@ -202,30 +171,37 @@ def ttt_loss(drafter: Eagle3Drafter, input_ids: torch.Tensor, loss_mask: torch.T
     h = drafter.project(aux)
     keys, extra, hs = None, ([], []), []
     for s in range(ttt_steps):
-        h, k, v = drafter.layer(e_qkv, h, (cos[:, s:s + T], sin[:, s:s + T]), w, keys,
-                                extra if s else None, start=s)
+        h_out, k, v = drafter.layer(e_qkv, h, (cos[:, s:s + T], sin[:, s:s + T]), w, keys,
+                                    extra if s else None, start=s)
+        h = drafter.carry(h_out)                        # what step s+1 reads
         if s == 0:
             keys = (k, v)                               # step-0 keys: seen causally by every step
         else:
             extra[0].append(k)                          # later steps' keys: each row its own
             extra[1].append(v)
-        hs.append(h)
+        hs.append(h_out)
 
     # The heads of all steps at once: each op runs once over every step's counted rows (step-major)
     # instead of once per step, so the host queues a few large kernels, not a dozen small ones
-    # per step while the GPU waits for them (docs/perf.md).
+    # per step while the GPU waits for them.
     step, b, t = counted.rows()                                            # [M] each
     rows = b * T + t                                                       # [M] into one step's B*T rows
     h_rows = torch.stack(hs).reshape(ttt_steps * B * T, -1)[step * (B * T) + rows]
-    # ce [M] against teacher row t+1+s; the logits [M, Vd] are not kept (the soft cross-entropy
-    # saves their gradient instead)
-    ce, drafted = _SoftCrossEntropy.apply(drafter.logits(h_rows, w), p_rows, rows + 1 + step)
+    # row_loss [M] against teacher row t+1+s. soft_ce keeps not the logits [M, Vd] but their
+    # gradient; the other losses keep what autograd keeps.
+    z, teacher_rows = drafter.logits(h_rows, w), rows + 1 + step
+    if loss == "soft_ce":
+        row_loss, drafted = _SoftCrossEntropy.apply(z, p_rows, teacher_rows)
+    else:
+        row_loss = row_losses(loss, z, p_rows[teacher_rows], None if mass is None else mass[teacher_rows],
+                              step, ttt_steps)
+        drafted = z.detach().argmax(-1)
     # per-step sums by a reduction over a one-hot [M, S], not index_add: a GPU's atomic adds
     # would make the logged loss differ in its last bits from run to run
-    ce_sum = (F.one_hot(step, ttt_steps).to(ce.dtype) * ce[:, None]).sum(0)   # [S]
-    per_step = ce_sum / counted.count.clamp(min=1)
-    weight = decay ** torch.arange(ttt_steps, device=dev, dtype=ce.dtype)
-    total = (weight * (per_step if norm is None else ce_sum / norm)).sum() + h.sum() * 0.0
+    loss_sum = (F.one_hot(step, ttt_steps).to(row_loss.dtype) * row_loss[:, None]).sum(0)   # [S]
+    per_step = loss_sum / counted.count.clamp(min=1)
+    weight = decay ** torch.arange(ttt_steps, device=dev, dtype=row_loss.dtype)
+    total = (weight * (per_step if norm is None else loss_sum / norm)).sum() + h.sum() * 0.0
     # (the zero term keeps backward() working when nothing is counted at all)
     with torch.no_grad():
         hit = draft_ids[drafted] == top_rows[rows + 1 + step]             # [M]
@@ -246,9 +222,8 @@ class CountedRows:
 
     The number of rows is data, so the host must learn it before it can shape the heads' work.
     Asking for it (`nonzero`, `.tolist()`) makes the host wait until the GPU has run everything
-    queued so far, after which the GPU idles until the host queues more: 2.3 ms of a Kimi-size
-    step on an H200 in one such wait (docs/perf.md). Here the indices come from a stable sort (no
-    wait) and their number is copied to pinned host memory as soon as it exists, with an event;
+    queued so far, after which the GPU idles until the host queues more. Here the indices come
+    from a stable sort (no wait) and their number is copied to pinned host memory as soon as it exists, with an event;
     `rows()` waits only for that event, which by then has long passed."""
 
     def __init__(self, loss_mask: torch.Tensor, attention_mask: torch.Tensor, top: torch.Tensor,
@@ -280,7 +255,7 @@ class CountedRows:
 
 def counted_rows(loss_mask: torch.Tensor, attention_mask: torch.Tensor, top: torch.Tensor,
                  t2d: torch.Tensor, s: int) -> torch.Tensor:
-    """[B, T-2-s] bool: the rows TTT step s trains on (see the module doc): the predicted token
+    """[B, T-2-s] bool: the rows TTT step s trains on (docs/ttt.md): the predicted token
     x_{t+2+s} is a real assistant token and the teacher row's full-vocab argmax is draftable."""
     T = top.shape[1]
     wanted = loss_mask.bool() & attention_mask.bool()

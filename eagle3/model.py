@@ -7,20 +7,21 @@ One step of the drafter, for rows of token ids x and hidden states h [.., H]:
     h1  = residual + o_proj(attention(rope(q(a)), rope(k(a)), v(a)))
     h2  = h1 + mlp(post_attention_layernorm(h1))            # h_out: the PRE-norm output
     logits = lm_head(norm(h2))                              # [.., Vd] over the draft vocab
+    next h = h2, or norm(h2) with norm_output               # what the next draft step reads
 
-h is fc(aux) [k*Ht -> H] for rows that come from the target (step 0) and the drafter's own h_out of
-the previous step afterwards. SGLang writes the two residual adds as fused `RMSNorm(x, residual)`
-calls (add, then norm, returning both); its `aux` output, fed back as the next step's hidden, is
-the pre-norm sum h2 unless the config sets `norm_output` (we never do). Its fc is applied when the
-hidden's width differs from the embedding's, i.e. only to the k*Ht aux concat: so H must differ
-from k*Ht (true for every real target).
+h is fc(aux) [k*Ht -> H] for rows that come from the target (step 0) and the drafter's own output
+of the previous step afterwards. With fc_norm, each of the k aux states gets its own RMSNorm [Ht]
+before fc: fc(cat[fc_norm_i(aux_i)]). fc_norm and norm_output are EAGLE-3.1's two changes; both
+engines read them from config.json (`fc_norm`, `norm_output`, weights `fc_norm.{i}.weight`).
+SGLang writes the two residual adds as fused `RMSNorm(x, residual)` calls (add, then norm,
+returning both). Its fc is applied when the hidden's width differs from the embedding's, i.e. only
+to the k*Ht aux concat: so H must differ from k*Ht (true for every real target).
 
-state_dict() names are the export names (DESIGN.md "Drafter export"; q/k/v are stored fused,
-see `Attention`); `embed_tokens` is the frozen target embedding, shared inside the engines and
-never exported.
+state_dict() names are the export names (docs/design.md; q/k/v are stored fused, see `Attention`);
+`embed_tokens` is the frozen target embedding, shared inside the engines and never exported.
 
 One attention function, `eagle3.attention.attend`, serves training-time test (causal over the
-step-0 keys plus each row's own later-step keys, see eagle3/loss.py) and inference with a KV cache.
+step-0 keys plus each row's own later-step keys, docs/ttt.md) and inference with a KV cache.
 """
 from __future__ import annotations
 
@@ -51,6 +52,8 @@ class DrafterShape:
     rope_theta: float = 10000.0
     max_position_embeddings: int = 4096
     hidden_act: str = "silu"
+    fc_norm: bool = False           # EAGLE-3.1: an RMSNorm [Ht] on each aux state before fc
+    norm_output: bool = False       # EAGLE-3.1: the next step reads norm(h_out), not h_out
 
     def to_hf_config(self) -> dict:
         """The Llama fields of the export's config.json (one decoder layer). The exporter adds
@@ -67,6 +70,7 @@ class DrafterShape:
             "max_position_embeddings": self.max_position_embeddings,
             "hidden_act": self.hidden_act, "tie_word_embeddings": False,
             "attention_bias": False, "mlp_bias": False,
+            "fc_norm": self.fc_norm, "norm_output": self.norm_output,
         }
 
     @classmethod
@@ -75,6 +79,11 @@ class DrafterShape:
         rope = cfg.get("rope_parameters") or {}
         eagle = cfg.get("eagle_config") or {}
         ids = eagle.get("eagle_aux_hidden_state_layer_ids")
+        # variants the engines know and this drafter does not compute: refuse rather than run
+        # a different network than the one exported
+        other = [k for k in _UNSUPPORTED if cfg.get(k) or eagle.get(k)]
+        if other:
+            raise ValueError(f"drafter config sets {other}: not implemented by eagle3.model")
         return cls(
             hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
             num_attention_heads=cfg["num_attention_heads"],
@@ -87,15 +96,21 @@ class DrafterShape:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=cfg.get("rope_theta", rope.get("rope_theta", 10000.0)),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            hidden_act=cfg.get("hidden_act", "silu"))
+            hidden_act=cfg.get("hidden_act", "silu"),
+            fc_norm=bool(cfg.get("fc_norm") or cfg.get("use_aux_norm")),
+            norm_output=bool(cfg.get("norm_output")))
 
     def num_trainable(self) -> int:
         """Trainable parameter count (everything but the shared embedding)."""
         h, d = self.hidden_size, self.head_dim
         qkv = 2 * h * (self.num_attention_heads + 2 * self.num_key_value_heads) * d
         layer = qkv + self.num_attention_heads * d * h + 3 * h * self.intermediate_size + 3 * h
-        return self.num_aux * self.target_hidden_size * h + layer + h + h * self.draft_vocab_size
+        fc_norm = self.num_aux * self.target_hidden_size if self.fc_norm else 0
+        return self.num_aux * self.target_hidden_size * h + fc_norm + layer + h + h * self.draft_vocab_size
 
+
+# Engine options of LlamaForCausalLMEagle3 that change the network and are not built here.
+_UNSUPPORTED = ("norm_before_fc", "norm_before_residual")
 
 # Attention that is not a Llama layer (DeepSeek's MLA): its head_dim says nothing about a Llama drafter's.
 _MLA_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2")
@@ -123,7 +138,8 @@ def drafter_shape(target, cfg, num_aux: int, draft_vocab_size: int) -> DrafterSh
         target_hidden_size=target.hidden_size, num_aux=num_aux,
         rms_norm_eps=cfg.rms_norm_eps or target.rms_norm_eps,
         rope_theta=cfg.rope_theta or target.rope_theta,
-        max_position_embeddings=cfg.max_position_embeddings or target.max_position_embeddings or 4096)
+        max_position_embeddings=cfg.max_position_embeddings or target.max_position_embeddings or 4096,
+        fc_norm=cfg.fc_norm, norm_output=cfg.norm_output)
 
 
 class RMSNorm(nn.Module):
@@ -154,8 +170,8 @@ def rope_angles(positions: torch.Tensor, d: int, theta: float, dtype: torch.dtyp
     return angles.cos(), angles.sin()
 
 
-# q and k in one call (one kernel each way on a GPU): each compiled call costs the host 0.1-0.4 ms,
-# and the forward waits for the host in places (docs/perf.md).
+# q and k in one call (one kernel each way on a GPU): every compiled call costs the host time to
+# launch, and the forward waits for the host in places.
 @fused
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """Llama (NeoX-style, rotate-half) rotary embedding of q [B, T, nh, d] and k [B, T, nkv, d];
@@ -201,7 +217,7 @@ class Attention(nn.Module):
     [nh*d + 2*nkv*d, H] (rows q, k, v), because that is how every unroll uses them: the embedding's
     half once for all TTT steps, the hidden half at every step. Storing q_proj/k_proj/v_proj would
     make each unroll concatenate the three and slice the halves out again, and backward fill and copy
-    full-width buffers per half (about 5.6 ms of a 177 ms Kimi-size step on an H200, docs/perf.md).
+    full-width buffers per half.
     state_dict() and load_state_dict() still speak the engines' q_proj/k_proj/v_proj
     [nh*d or nkv*d, 2H] (`to_engine_names`, `from_engine_names`), so exports, checkpoints and tests
     see the layout SGLang and vLLM load."""
@@ -341,6 +357,9 @@ class Eagle3Drafter(nn.Module):
         self.embed_tokens.weight.requires_grad_(False)   # the target's, frozen
         if embed is not None:
             self.set_target_embedding(embed)
+        # EAGLE-3.1's fc_norm: one norm per aux state; the engines' names fc_norm.{i}.weight
+        self.fc_norm = (nn.ModuleList(RMSNorm(s.target_hidden_size, s.rms_norm_eps) for _ in range(s.num_aux))
+                        if s.fc_norm else None)
         self.fc = nn.Linear(s.num_aux * s.target_hidden_size, s.hidden_size, bias=False)
         self.midlayer = DecoderLayer(s)
         self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
@@ -348,7 +367,10 @@ class Eagle3Drafter(nn.Module):
 
     # -- pieces used by training-time test (eagle3/loss.py) and inference ----------------------
     def project(self, aux: torch.Tensor) -> torch.Tensor:
-        """aux [B, T, k*Ht] (the target's aux states, concatenated; stored in bf16) -> h [B, T, H]."""
+        """aux [B, T, k*Ht] (the target's aux states, concatenated; stored in bf16) -> h [B, T, H]:
+        fc(aux), or fc(cat[fc_norm_i(aux_i)]) with fc_norm."""
+        if self.fc_norm is not None:
+            aux = torch.cat([n(a) for n, a in zip(self.fc_norm, aux.chunk(len(self.fc_norm), dim=-1))], dim=-1)
         return linear(aux, reuse(self.fc.weight, self._compute_dtype()))
 
     def _compute_dtype(self) -> torch.dtype:
@@ -386,29 +408,35 @@ class Eagle3Drafter(nn.Module):
         """[.., H] pre-norm hidden -> [.., Vd] draft-vocab logits."""
         return linear(self.norm(h_out), w.lm_head)
 
+    def carry(self, h_out: torch.Tensor) -> torch.Tensor:
+        """[.., H] pre-norm hidden -> the hidden the next draft step reads: h_out itself, or
+        norm(h_out) (the lm_head's input) with norm_output."""
+        return self.norm(h_out) if self.shape.norm_output else h_out
+
     # -- whole-sequence and cached inference ----------------------------------------------------
     def forward(self, aux, input_ids, attention_mask=None):
         """Step 0 over whole sequences: row t reads (fc(aux_t), input_ids[t]) at position t and
         attends causally. The caller aligns ids (for drafting: input_ids[t] = x_{t+1}).
         attention_mask [B, T] (right padding) needs no use: a causal row never sees later rows,
-        so real rows never see padding. Returns (logits [B, T, Vd], h_out [B, T, H])."""
+        so real rows never see padding. Returns (logits [B, T, Vd], the hidden the next step
+        reads [B, T, H]: `carry`)."""
         B, T = input_ids.shape
         positions = torch.arange(T, device=input_ids.device).expand(B, T)
         w = self.weights()
         h_out, _, _ = self.layer(self.embed_qkv(input_ids, w), self.project(aux),
                                  self.rope_angles(positions), w)
-        return self.logits(h_out, w), h_out
+        return self.logits(h_out, w), self.carry(h_out)
 
     def forward_step(self, input_ids, h, positions, cache: DraftKVCache):
         """Cached inference: new rows input_ids [B, Tq] with hidden h [B, Tq, H] (fc(aux) for
         target rows, a previous h_out for draft rows) at positions [B, Tq]. The new rows see every
         cached row and, causally, each other; their keys/values are appended to `cache`.
-        Returns (logits [B, Tq, Vd], h_out [B, Tq, H])."""
+        Returns (logits [B, Tq, Vd], the hidden the next step reads [B, Tq, H]: `carry`)."""
         w = self.weights()
         keys = None if cache.k is None else (cache.k, cache.v)
         h_out, k, v = self.layer(self.embed_qkv(input_ids, w), h, self.rope_angles(positions), w, keys)
         cache.append(k, v)
-        return self.logits(h_out, w), h_out
+        return self.logits(h_out, w), self.carry(h_out)
 
     # -- export -----------------------------------------------------------------------------------
     def set_target_embedding(self, weight: torch.Tensor) -> None:

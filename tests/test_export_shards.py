@@ -137,3 +137,22 @@ def test_pruning_the_draft_vocab_keeps_the_logits_of_kept_tokens():
     assert torch.equal(out["fc.weight"], tensors["fc.weight"])
     with pytest.raises(ValueError, match="not in the draft vocabulary"):
         prune_draft_vocab(tensors, {}, torch.tensor([int(torch.nonzero(~tensors["t2d"])[0])]))
+
+
+def test_export_refuses_norm_weights_its_config_does_not_describe(tmp_path):
+    """SGLang builds fc_norm from config.json and skips weights it has no module for: an export
+    whose fc_norm flag and weights disagree would serve another drafter, so it is refused."""
+    import dataclasses
+    d2t, t2d = torch.zeros(SHAPE.draft_vocab_size, dtype=torch.int64), torch.zeros(SHAPE.vocab_size, dtype=torch.bool)
+    with_norms = dataclasses.replace(SHAPE, fc_norm=True)
+    state = Eagle3Drafter(with_norms).exportable_state_dict()
+    with pytest.raises(ValueError, match="fc_norm=False"):
+        export_drafter(tmp_path / "a", state, SHAPE, d2t, t2d, [2, 4, 5], "llama")
+    with pytest.raises(ValueError, match="fc_norm=True"):
+        export_drafter(tmp_path / "b", Eagle3Drafter(SHAPE).exportable_state_dict(), with_norms, d2t, t2d,
+                       [2, 4, 5], "llama")
+    out = export_drafter(tmp_path / "c", state, with_norms, d2t, t2d, [2, 4, 5], "llama", engines=["vllm"])["vllm"]
+    tensors, cfg = load_export(out)
+    assert cfg["fc_norm"] is True and cfg["norm_output"] is False
+    assert sorted(k for k in tensors if k.startswith("fc_norm.")) == ["fc_norm.0.weight", "fc_norm.1.weight",
+                                                                      "fc_norm.2.weight"]

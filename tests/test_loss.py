@@ -1,11 +1,15 @@
 """Training-time test against a naive reference that recomputes every (step, row) of the unrolled
 drafter with explicit per-step keys and values, in loops; and that reference against the cached
-inference chain (what an engine runs)."""
+inference chain (what an engine runs). Each `train.loss` choice against its textbook form over
+full-vocabulary distributions (torch.distributions where it has one)."""
+import dataclasses
 import math
 
 import pytest
 import torch
+from torch.distributions import Categorical, kl_divergence
 
+from eagle3.losses import LOSSES
 from eagle3.loss import CountedRows, counted_rows, target_teacher, ttt_loss, ttt_mask
 from eagle3.model import DraftKVCache, DrafterShape, Eagle3Drafter
 from eagle3.vocab import build_vocab
@@ -15,9 +19,12 @@ SHAPE = DrafterShape(hidden_size=16, intermediate_size=24, num_attention_heads=4
                      target_hidden_size=12, num_aux=3, rms_norm_eps=1e-6, rope_theta=100.0)
 
 
-def make_case(seed=0, B=2, T=9, lengths=(9, 6)):
+NORMS = [dict(fc_norm=True), dict(norm_output=True), dict(fc_norm=True, norm_output=True)]
+
+
+def make_case(seed=0, B=2, T=9, lengths=(9, 6), **norms):
     torch.manual_seed(seed)
-    d = Eagle3Drafter(SHAPE).double()
+    d = Eagle3Drafter(dataclasses.replace(SHAPE, **norms)).double()
     with torch.no_grad():
         for name, p in d.named_parameters():
             if "norm" in name:
@@ -51,8 +58,30 @@ def rope_vec(x, pos, theta):
     return out
 
 
+def naive_row(loss, p, logits, full, draft_ids):
+    """One counted row's terms in float64: p [Vd] the renormalised teacher, logits [Vd] the
+    drafter's, full [V] the target's logits. The acceptance-based terms compare the target's FULL
+    distribution with the drafter's, which puts zero mass outside the draft vocab."""
+    target, draft = Categorical(probs=p), Categorical(logits=logits)
+    q_full = torch.zeros_like(full).index_put((draft_ids,), torch.softmax(logits, 0))
+    tv = 0.5 * (torch.softmax(full, 0) - q_full).abs().sum()
+    kl = kl_divergence(target, draft)
+    m = Categorical(probs=0.5 * (p + torch.softmax(logits, 0)))
+    return {"soft_ce": -(p * torch.log_softmax(logits, 0)).sum(), "kl": kl, "tv": tv,
+            "lk_alpha": -torch.log(1 - tv), "jsd": m.entropy() - 0.5 * (target.entropy() + draft.entropy()),
+            "lk": (kl, tv)}[loss]
+
+
+def naive_step_loss(loss, terms):
+    """The mean over one step's rows; LK^lambda's weight from that step's mean acceptance 1 - tv."""
+    if loss != "lk":
+        return torch.stack(terms).mean()
+    lam = torch.exp(-3.0 * torch.stack([1 - tv for _, tv in terms]).mean()).detach()
+    return torch.stack([lam * kl + (1 - lam) * tv for kl, tv in terms]).mean()
+
+
 def naive_ttt(d, input_ids, loss_mask, attention_mask, aux, final, target_lm_head, vocab,
-              steps, decay):
+              steps, decay, loss="soft_ce"):
     # q/k/v in the engines' layout, as differentiable functions of the stored fused halves
     P = d.to_engine_names(dict(d.named_parameters()))
     m = "midlayer."
@@ -70,7 +99,15 @@ def naive_ttt(d, input_ids, loss_mask, attention_mask, aux, final, target_lm_hea
             xs = {}
             for t in range(T):      # this step's inputs, keys and values, row by row
                 tok = int(input_ids[b, t + 1 + s]) if t + 1 + s < T else 0
-                h_in = aux[b, t] @ P["fc.weight"].T if s == 0 else hid[(s - 1, t)]
+                if s == 0:
+                    x = aux[b, t]
+                    if d.fc_norm is not None:       # EAGLE-3.1: each aux state normed on its own
+                        x = torch.cat([rms(c, P[f"fc_norm.{i}.weight"]) for i, c in enumerate(x.chunk(3))])
+                    h_in = x @ P["fc.weight"].T
+                elif d.shape.norm_output:           # EAGLE-3.1: the next step reads the normed hidden
+                    h_in = rms(hid[(s - 1, t)], P["norm.weight"])
+                else:
+                    h_in = hid[(s - 1, t)]
                 a = torch.cat([rms(P["embed_tokens.weight"][tok], P[m + "input_layernorm.weight"]),
                                rms(h_in, P[m + "hidden_norm.weight"])])
                 q = (P[m + "self_attn.q_proj.weight"] @ a).view(nh, hd)
@@ -105,10 +142,10 @@ def naive_ttt(d, input_ids, loss_mask, attention_mask, aux, final, target_lm_hea
                     continue
                 p = torch.softmax(full[draft_ids], 0)
                 logits = P["lm_head.weight"] @ rms(h2, P["norm.weight"])
-                ce[s].append(-(p * torch.log_softmax(logits, 0)).sum())
+                ce[s].append(naive_row(loss, p, logits, full, draft_ids))
                 hits[s] += int(draft_ids[logits.argmax()] == full.argmax())
                 row_hit[(b, s, t)] = bool(draft_ids[logits.argmax()] == full.argmax())
-    per_step = [torch.stack(ce[s]).mean() if ce[s] else torch.zeros((), dtype=torch.float64)
+    per_step = [naive_step_loss(loss, ce[s]) if ce[s] else torch.zeros((), dtype=torch.float64)
                 for s in range(steps)]
     loss = sum(decay ** s * per_step[s] for s in range(steps))
     naive_ttt.row_hit = row_hit
@@ -138,13 +175,14 @@ def grads(d, loss):
     return {n: p.grad.clone() for n, p in d.named_parameters() if p.requires_grad}
 
 
-def test_ttt_loss_and_grads_equal_naive_reference():
+@pytest.mark.parametrize("loss", LOSSES)
+def test_ttt_loss_and_grads_equal_naive_reference(loss):
     d, batch, vocab = make_case()
     steps, decay = 4, 0.8
-    out = ttt_loss(d, **batch, vocab=vocab, ttt_steps=steps, decay=decay)
+    out = ttt_loss(d, **batch, vocab=vocab, ttt_steps=steps, decay=decay, loss=loss)
     got = grads(d, out.loss)
     ref_loss, ref_steps, ref_hits, ref_counts, _ = naive_ttt(d, **batch, vocab=vocab,
-                                                             steps=steps, decay=decay)
+                                                             steps=steps, decay=decay, loss=loss)
     want = grads(d, ref_loss)
     # the case exercises every mask: counted rows in every step, rows dropped as off-vocab
     assert all(c > 0 for c in ref_counts)
@@ -161,6 +199,23 @@ def test_ttt_loss_and_grads_equal_naive_reference():
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-9, atol=1e-11, msg=name)
         assert got[name].abs().sum() > 0, name                         # every weight is trained
+
+
+@pytest.mark.parametrize("norms", NORMS)
+@pytest.mark.parametrize("loss", ["soft_ce", "lk"])
+def test_eagle31_norms_in_ttt_equal_naive_reference(norms, loss):
+    """fc_norm (each aux state normed before fc) and norm_output (the next step reads norm(h_out)):
+    loss and gradients of every weight, fc_norm's included, against the naive unroll."""
+    d, batch, vocab = make_case(seed=6, **norms)
+    out = ttt_loss(d, **batch, vocab=vocab, ttt_steps=3, decay=0.7, loss=loss)
+    got = grads(d, out.loss)
+    ref_loss, *_ = naive_ttt(d, **batch, vocab=vocab, steps=3, decay=0.7, loss=loss)
+    want = grads(d, ref_loss)
+    torch.testing.assert_close(out.loss, ref_loss, rtol=1e-10, atol=1e-12)
+    assert set(got) == set(want) and any(n.startswith("fc_norm.") for n in got) == bool(norms.get("fc_norm"))
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-9, atol=1e-11, msg=name)
+        assert got[name].abs().sum() > 0, name
 
 
 def test_chain_acceptance_counts_a_chain_only_while_every_step_hits():
@@ -187,10 +242,12 @@ def test_chain_acceptance_counts_a_chain_only_while_every_step_hits():
     assert all(a < b for a, b in zip(accept[1:], acc[1:]))
 
 
-def test_naive_reference_is_the_cached_inference_chain():
+@pytest.mark.parametrize("norms", [{}] + NORMS)
+def test_naive_reference_is_the_cached_inference_chain(norms):
     """Row t at step s of TTT == drafting s steps from row t with a KV cache (the engine's view:
     step-0 rows 0..t in the cache, then the chain at positions t+1, t+2, ...)."""
-    d, batch, vocab = make_case(seed=1, B=1, T=9, lengths=(9,))
+    d, batch, vocab = make_case(seed=1, B=1, T=9, lengths=(9,), **norms)
+    carry = d.carry if norms.get("norm_output") else (lambda h: h)
     steps = 4
     *_, hid = naive_ttt(d, **batch, vocab=vocab, steps=steps, decay=0.8)
     ids, aux = batch["input_ids"], batch["aux"]
@@ -200,11 +257,11 @@ def test_naive_reference_is_the_cached_inference_chain():
             cache = DraftKVCache()
             _, h = d.forward_step(ids[:, 1:t + 2], h0[:, :t + 1], torch.arange(t + 1)[None], cache)
             h = h[:, -1:]
-            torch.testing.assert_close(h[0, 0], hid[(0, t)], rtol=1e-10, atol=1e-10)
+            torch.testing.assert_close(h[0, 0], carry(hid[(0, t)]), rtol=1e-10, atol=1e-10)
             for s in range(1, steps):
                 _, h = d.forward_step(ids[:, t + 1 + s:t + 2 + s], h,
                                       torch.tensor([[t + s]]), cache)
-                torch.testing.assert_close(h[0, 0], hid[(s, t)], rtol=1e-10, atol=1e-10)
+                torch.testing.assert_close(h[0, 0], carry(hid[(s, t)]), rtol=1e-10, atol=1e-10)
 
 
 def test_ttt_mask_pattern():
@@ -349,3 +406,88 @@ def test_soft_cross_entropy_equals_log_softmax_form():
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(torch.autograd.grad((got * g).sum(), z)[0],
                                torch.autograd.grad((want * g).sum(), z)[0], rtol=1e-12, atol=1e-12)
+
+
+def test_kl_differs_from_soft_ce_by_the_teachers_entropy_only():
+    """Forward KL = soft CE - H(p): the same gradient, so `kl` and `soft_ce` train the same drafter."""
+    d, batch, vocab = make_case(seed=7)
+    ce, kl = (ttt_loss(d, **batch, vocab=vocab, ttt_steps=3, loss=name) for name in ("soft_ce", "kl"))
+    assert (ce.per_step_loss > kl.per_step_loss).all()
+    g_ce, g_kl = grads(d, ce.loss), grads(d, kl.loss)
+    for name in g_ce:
+        torch.testing.assert_close(g_kl[name], g_ce[name], rtol=1e-9, atol=1e-12, msg=name)
+
+
+def test_draft_mass_is_the_full_softmax_on_the_draft_columns():
+    from eagle3.loss import draft_mass
+    torch.manual_seed(0)
+    final, head = torch.randn(2, 5, 6, dtype=torch.float64), torch.randn(30, 6, dtype=torch.float64)
+    ids = torch.tensor([1, 4, 9, 20, 29])
+    got = draft_mass(final, head, ids, chunk_rows=3)
+    torch.testing.assert_close(got, (final @ head.T).softmax(-1)[..., ids].sum(-1), rtol=1e-12, atol=1e-12)
+
+
+def test_unknown_loss_is_refused():
+    d, batch, vocab = make_case()
+    with pytest.raises(ValueError, match="train.loss='ce'"):
+        ttt_loss(d, **batch, vocab=vocab, ttt_steps=2, loss="ce")
+
+
+@pytest.fixture(scope="module")
+def tiny_target_batch():
+    """Two sequences of real text through the tiny random Llama target (conf/target/tiny_llama.yaml):
+    aux states of layers [2, 3, 4], the final hidden and the lm_head, as training reads them. The
+    random target's next-token distribution is nearly flat (top probability about 5e-4), which no
+    acceptance-based loss can learn from (alpha <= the tiny mass on the draft vocab, and its gradient
+    vanishes); its lm_head is scaled by 10 so that it is as confident as a trained model (top
+    probability about 0.6)."""
+    from eagle3.targets import load_head, load_target_model, load_tokenizer, resolve_target, target_info
+    from eagle3.vocab import count_tokens
+
+    rc = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=2048)
+    tdir = resolve_target("random", "", "tiny_llama", "llama", rc, 0)
+    info, tok = target_info(tdir), load_tokenizer(tdir)
+    model = load_target_model(tdir, torch.float32, "cpu")
+    texts = ["The quick brown fox jumps over the lazy dog, and then the dog sleeps all afternoon.",
+             "Speculative decoding drafts a few tokens cheaply and lets the large model check them."]
+    ids = [tok(t)["input_ids"] for t in texts]
+    T = max(map(len, ids))
+    input_ids = torch.tensor([x + [0] * (T - len(x)) for x in ids])
+    attention_mask = torch.tensor([[1] * len(x) + [0] * (T - len(x)) for x in ids])
+    with torch.no_grad():
+        hs = model(input_ids, attention_mask=attention_mask, output_hidden_states=True).hidden_states
+    embed, head = load_head(tdir)
+    head = 10 * head.float()
+    # a draft vocab holding the target's own greedy choices, so that rows are counted
+    top = (hs[-1] @ head.T).argmax(-1)
+    vocab = build_vocab(count_tokens([top[0], top[1]], [attention_mask[0], attention_mask[1]], info.vocab_size), 256)
+    batch = dict(input_ids=input_ids, loss_mask=attention_mask, attention_mask=attention_mask,
+                 aux=torch.cat([hs[i] for i in (2, 3, 4)], -1), final=hs[-1], target_lm_head=head)
+    return info, embed.float(), vocab, batch
+
+
+@pytest.mark.parametrize("loss, norms", [(name, {}) for name in LOSSES] + [("lk", NORMS[2]), ("soft_ce", NORMS[2])])
+def test_training_with_each_loss_lowers_it_on_the_tiny_target(tiny_target_batch, loss, norms):
+    """A few AdamW steps of TTT (3 steps, decay 0.8, a 256-token draft vocab) on the tiny target's
+    own states: every loss choice, with and without the EAGLE-3.1 norms, trains and goes down."""
+    from eagle3.config import DrafterConfig
+    from eagle3.model import drafter_shape
+
+    info, embed, vocab, batch = tiny_target_batch
+    cfg = DrafterConfig(**norms)
+    shape = drafter_shape(info, cfg, num_aux=3, draft_vocab_size=vocab.size)
+    assert (shape.fc_norm, shape.norm_output) == (cfg.fc_norm, cfg.norm_output)
+    torch.manual_seed(0)
+    d = Eagle3Drafter(shape)
+    d.set_target_embedding(embed)
+    opt = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=3e-3)
+    losses = []
+    for _ in range(8):
+        out = ttt_loss(d, **batch, vocab=vocab, ttt_steps=3, decay=0.8, loss=loss)
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+        losses.append(out.loss.item())
+    assert out.count[0] > 0 and all(math.isfinite(x) for x in losses)
+    assert losses[-1] < 0.9 * losses[0], losses

@@ -236,3 +236,42 @@ def test_attend_with_a_cache_equals_masked_attention(monkeypatch, backend):
     for a, b in zip(torch.autograd.grad((got * up).sum(), [q, k, v]),
                     torch.autograd.grad((want * up).sum(), [q, k, v])):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_eagle31_norms_are_named_configured_and_counted_as_the_engines_read_them():
+    """fc_norm: one RMSNorm [Ht] per aux state, `fc_norm.{i}.weight` (SGLang's and vLLM's names);
+    both flags are top-level config.json fields and survive the round trip through transformers."""
+    s = DrafterShape(**{**SHAPE.__dict__, "fc_norm": True, "norm_output": True})
+    d = Eagle3Drafter(s)
+    names = {n: tuple(t.shape) for n, t in d.exportable_state_dict().items()}
+    extra = {f"fc_norm.{i}.weight": (s.target_hidden_size,) for i in range(s.num_aux)}
+    assert names == {**EXPORT_NAMES, **extra}
+    assert s.num_trainable() == sum(p.numel() for p in d.parameters() if p.requires_grad)
+    cfg = s.to_hf_config()
+    assert cfg["fc_norm"] is True and cfg["norm_output"] is True
+    assert DrafterShape.from_hf_config(LlamaConfig(**cfg).to_dict()) == s
+    assert DrafterShape.from_hf_config(SHAPE.to_hf_config()) == SHAPE      # off by default
+    s2 = drafter_shape(_target(), DrafterConfig(fc_norm=True, norm_output=True), num_aux=3, draft_vocab_size=64)
+    assert (s2.fc_norm, s2.norm_output) == (True, True)
+
+
+@pytest.mark.parametrize("key", ["norm_before_fc", "norm_before_residual"])
+def test_engine_variants_this_drafter_does_not_compute_are_refused(key):
+    with pytest.raises(ValueError, match=key):
+        DrafterShape.from_hf_config({**SHAPE.to_hf_config(), key: True})
+    with pytest.raises(ValueError, match=key):
+        DrafterShape.from_hf_config({**SHAPE.to_hf_config(), "eagle_config": {key: True}})
+
+
+def test_fc_norm_normalises_each_aux_state_on_its_own():
+    s = DrafterShape(**{**SHAPE.__dict__, "fc_norm": True})
+    d = Eagle3Drafter(s).double()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for n in d.fc_norm:
+            n.weight.normal_()
+    aux = torch.randn(2, 5, s.num_aux * s.target_hidden_size, dtype=torch.float64)
+    aux[..., :s.target_hidden_size] *= 1000.0                   # one state far louder than the others
+    want = torch.cat([sgl_rmsnorm(a, n.weight, s.rms_norm_eps)
+                      for a, n in zip(aux.split(s.target_hidden_size, -1), d.fc_norm)], -1) @ d.fc.weight.T
+    torch.testing.assert_close(d.project(aux), want, rtol=1e-12, atol=1e-12)

@@ -12,6 +12,7 @@ greedy text diverge; after a divergence the drafter sees text it has not memoris
 """
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -40,12 +41,16 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(_engine_missing() is not None
                                                    reason=str(_engine_missing()))]
 
 
-def fit_memorizing_drafter(out_root: Path, steps: int = 80) -> Path:
+def fit_memorizing_drafter(out_root: Path, steps: int = 80, **norms) -> Path:
     """Greedy SmolLM2 answers to the evaluated prompts -> aux/next-token pairs -> a drafter trained
     (step 0 only, hard labels = the target's greedy tokens) until it reproduces them. Exported with
-    the real exporter, so the engine reads exactly what training would hand it."""
+    the real exporter, so the engine reads exactly what training would hand it. norms: EAGLE-3.1's
+    fc_norm / norm_output (DrafterShape fields); the drafter is then trained by training-time test
+    over K steps (eagle3.loss.ttt_loss), so that the drafts after the first, which norm_output
+    changes, are accepted too; no mis-wired copy is written then."""
     from eagle3 import chat, evaluation as ev
     from eagle3.export import export_drafter
+    from eagle3.loss import target_teacher, ttt_loss
     from eagle3.model import DrafterShape, Eagle3Drafter
     from eagle3.specdec import greedy_decode
     from eagle3.targets import default_aux_layers, load_target_model, load_tokenizer, resolve_target, target_info
@@ -69,14 +74,21 @@ def fit_memorizing_drafter(out_root: Path, steps: int = 80) -> Path:
     shape = DrafterShape(hidden_size=info.hidden_size, intermediate_size=512, num_attention_heads=9,
                          num_key_value_heads=3, head_dim=64, vocab_size=info.vocab_size, draft_vocab_size=512,
                          target_hidden_size=info.hidden_size, num_aux=3, rms_norm_eps=info.rms_norm_eps,
-                         rope_theta=info.rope_theta, max_position_embeddings=info.max_position_embeddings)
+                         rope_theta=info.rope_theta, max_position_embeddings=info.max_position_embeddings,
+                         **norms)
     drafter = Eagle3Drafter(shape)
     drafter.set_target_embedding(model.get_input_embeddings().weight.float())
-    rows = []
+    rows, ttt = [], []
+    head = model.get_output_embeddings().weight.detach().float()
     with torch.no_grad():
         for s, m in zip(seqs, masks):
             hs = model(torch.tensor([s]), output_hidden_states=True).hidden_states
             aux = torch.cat([hs[i][0] for i in aux_layers], -1).float()
+            if norms:
+                final = model.model(torch.tensor([s])).last_hidden_state.float()      # after the final norm
+                ttt.append(dict(input_ids=torch.tensor([s]), loss_mask=torch.tensor([m]),
+                                attention_mask=torch.ones(1, len(s), dtype=torch.long), aux=aux[None], final=final,
+                                teacher=target_teacher(final, head, vocab.draft_ids)))
             t2d = vocab.t2d
             # row t: (aux_t, x_{t+1}) -> x_{t+2}; train where x_{t+2} is an answer token
             ids = torch.tensor(s)
@@ -88,14 +100,25 @@ def fit_memorizing_drafter(out_root: Path, steps: int = 80) -> Path:
     opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=2e-3)
     for _ in range(steps):
         loss = 0.0
-        for aux, nxt, target, keep in rows:
+        for batch in ttt:
+            loss = loss + ttt_loss(drafter, **batch, target_lm_head=head, vocab=vocab, ttt_steps=K).loss
+        for aux, nxt, target, keep in rows if not norms else []:
             logits, _ = drafter(aux[None], nxt[None])
             loss = loss + torch.nn.functional.cross_entropy(logits[0, :-1][keep], draft_of[target][keep])
         opt.zero_grad()
         loss.backward()
         opt.step()
+    if norms.get("fc_norm"):
+        # The same function with every fc_norm weight and its fc columns negated: an engine that
+        # applied fc (but not fc_norm) would see every aux state's contribution flipped in sign.
+        with torch.no_grad():
+            for i, n in enumerate(drafter.fc_norm):
+                n.weight.neg_()
+                drafter.fc.weight[:, i * shape.target_hidden_size:(i + 1) * shape.target_hidden_size].neg_()
     dirs = export_drafter(out_root / "export", drafter.exportable_state_dict(), shape, vocab.d2t, vocab.t2d,
                           aux_layers, "llama", "smollm2", info.fingerprint, engines=("vllm",))
+    if norms:
+        return dirs["vllm"]
     # the same weights with the vLLM ids shifted by one: a wiring error acceptance must expose
     export_drafter(out_root / "shifted" / "export", drafter.exportable_state_dict(), shape, vocab.d2t,
                    vocab.t2d, aux_layers, "llama", engines=("vllm",),
@@ -157,13 +180,54 @@ def test_hf_and_vllm_agree_on_tau(drafter_dir, tmp_path):
         print(f"shifted ids: vllm tau {sh['tau']:.3f} acc {sh['accept_per_position']}")
 
 
+@pytest.fixture(scope="module")
+def norms_drafter_dir(tmp_path_factory):
+    return fit_memorizing_drafter(tmp_path_factory.mktemp("memorizer_norms"), fc_norm=True, norm_output=True)
+
+
+def without_norms(export_dir: Path, out: Path) -> Path:
+    """The same weights as an engine that ignored EAGLE-3.1's norms would run them: no fc_norm
+    weights, both flags off (written by hand: export_drafter refuses to write such a thing)."""
+    from safetensors.torch import save_file
+    from eagle3.export import load_export
+
+    tensors, cfg = load_export(export_dir)
+    out.mkdir(parents=True)
+    save_file({k: v for k, v in tensors.items() if not k.startswith("fc_norm.")}, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps({**cfg, "fc_norm": False, "norm_output": False}, indent=2))
+    return out
+
+
+def test_vllm_applies_the_eagle31_norms(norms_drafter_dir, tmp_path):
+    """A drafter with fc_norm and norm_output (each aux state normed before fc; the next draft step
+    reads norm(h_out)), fitted like the fixture above: vLLM must accept its drafts as the hf
+    reference does, and clearly more often than the hf reference accepts the same weights run as
+    an engine that ignored fc_norm (both norms off) or norm_output alone would run them."""
+    cfg = json.loads((norms_drafter_dir / "config.json").read_text())
+    assert cfg["fc_norm"] is True and cfg["norm_output"] is True
+    ignored = without_norms(norms_drafter_dir, tmp_path / "ignored" / "vllm")
+    no_output = tmp_path / "no_norm_output" / "vllm"
+    shutil.copytree(norms_drafter_dir, no_output)
+    (no_output / "config.json").write_text(json.dumps({**cfg, "norm_output": False}, indent=2))
+    hf, hf_ignored, hf_no_output = _evaluate("hf", [norms_drafter_dir, ignored, no_output], tmp_path / "hf",
+                                             ["target.dtype=bfloat16"])["results"]
+    vl = _evaluate("vllm", [norms_drafter_dir], tmp_path / "vllm")["results"][0]
+    for name, r in (("hf", hf), ("vllm", vl), ("hf, norms ignored", hf_ignored),
+                    ("hf, norm_output ignored", hf_no_output)):
+        print(f"\n{name}: tau {r['tau']:.3f} acc {r['accept_per_position']}", end="")
+    assert hf["tau"] > 1.3
+    assert abs(hf["tau"] - vl["tau"]) <= TAU_TOL
+    for a, b in zip(hf["accept_per_position"], vl["accept_per_position"]):
+        assert abs(a - b) <= 0.15
+    assert vl["tau"] - hf_ignored["tau"] > 2 * TAU_TOL
+    assert vl["tau"] - hf_no_output["tau"] > 2 * TAU_TOL
+
+
 def test_the_committed_drafter_shows_the_layer_id_convention(tmp_path):
     """The committed GPU-trained drafter (results/smollm2-drafter) against the same weights with
     vLLM's aux ids shifted by one. vLLM reads both as written; the correct wiring must be accepted
     more often, prompt by prompt as well as in total (docs/results.md: 19 of 20 MT-Bench prompts,
-    paired t 7.2, for the drafter of GPU session 6)."""
-    import shutil
-
+    paired t 7.2)."""
     src = ROOT / "results" / "smollm2-drafter" / "export" / "vllm"
     shifted = tmp_path / "shifted" / "vllm"
     shifted.mkdir(parents=True)

@@ -12,10 +12,11 @@ Also the config-id chain on the draft side: our export's eagle_config ids -> SGL
 aux-hidden-state resolution -> the target's set_eagle3_layers_to_capture -> layers_to_capture,
 which must equal our aux_layers (Llama: written i-1; DeepSeek/Kimi: as given).
 
-Not done here: a forward comparison. SGLang's draft forward runs attention through RadixAttention
-and a ForwardBatch's attention backend, KV pools and spec_info; on CPU that means building the
-torch-native backend, a req_to_token pool and a KV pool by hand. The loader check pins every
-weight; the forward equivalence of our module with SGLang's is argued in eagle3/model.py.
+EAGLE-3.1's norms (fc_norm, norm_output) are also run through SGLang's own LlamaModel.forward: its
+fc_norm chunks, fc, layer, final norm and the choice of the hidden it hands the next draft step,
+with only the attention kernel (RadixAttention, which needs an attention backend and KV pools)
+replaced by plain causal attention. The logits and that hidden must equal ours, two draft steps
+deep; with the flags off in ours they must not, so the comparison sees the norms.
 """
 from __future__ import annotations
 
@@ -79,16 +80,18 @@ def sglang_world(tmp_path_factory):
     reset_context()
 
 
-def export(tmp_path: Path, aux_layers, target_arch: str, seed: int = 0) -> Path:
+def export(tmp_path: Path, aux_layers, target_arch: str, seed: int = 0, **norms) -> Path:
+    import dataclasses
     torch.manual_seed(seed)
-    model = Eagle3Drafter(SHAPE)
+    shape = dataclasses.replace(SHAPE, **norms)
+    model = Eagle3Drafter(shape)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_()                      # norms too: an un-loaded ones() would not pass as ours
     d2t = torch.randint(0, 200, (SHAPE.draft_vocab_size,))
     t2d = torch.zeros(SHAPE.vocab_size, dtype=torch.bool)
     t2d[d2t + torch.arange(SHAPE.draft_vocab_size)] = True
-    return export_drafter(tmp_path / "export", model.exportable_state_dict(), SHAPE, d2t, t2d, aux_layers,
+    return export_drafter(tmp_path / "export", model.exportable_state_dict(), shape, d2t, t2d, aux_layers,
                           target_arch, engines=["sglang"])["sglang"]
 
 
@@ -109,7 +112,9 @@ def expected_parameters(ours, s: DrafterShape):
     """SGLang parameter name -> (our tensor, the slice of SGLang's parameter it must fill)."""
     q, kv, inter = s.num_attention_heads * s.head_dim, s.num_key_value_heads * s.head_dim, s.intermediate_size
     L = "model.layers.0."
-    return {
+    fc_norm = {f"model.fc_norm.{i}.weight": [(ours[f"fc_norm.{i}.weight"], slice(None))]
+               for i in range(s.num_aux) if s.fc_norm}
+    return {**fc_norm,
         "model.fc.weight": [(ours["fc.weight"], slice(None))],
         L + "self_attn.qkv_proj.weight": [(ours["midlayer.self_attn.q_proj.weight"], slice(0, q)),
                                           (ours["midlayer.self_attn.k_proj.weight"], slice(q, q + kv)),
@@ -126,16 +131,17 @@ def expected_parameters(ours, s: DrafterShape):
     }
 
 
-@pytest.mark.parametrize("target_arch,aux_layers,config_ids", [
-    ("llama", [2, 4, 5], [1, 3, 4]),               # SGLang's Llama rule adds 1: written i-1
-    ("deepseek_v3", [3, 31, 59], [3, 31, 59]),     # DeepSeek/Kimi rule: as given
+@pytest.mark.parametrize("target_arch,aux_layers,config_ids,norms", [
+    ("llama", [2, 4, 5], [1, 3, 4], {}),               # SGLang's Llama rule adds 1: written i-1
+    ("deepseek_v3", [3, 31, 59], [3, 31, 59], {}),     # DeepSeek/Kimi rule: as given
+    ("llama", [2, 4, 5], [1, 3, 4], {"fc_norm": True, "norm_output": True}),
 ])
-def test_every_parameter_is_ours(sglang_world, tmp_path, target_arch, aux_layers, config_ids):
-    export_dir = export(tmp_path, aux_layers, target_arch)
+def test_every_parameter_is_ours(sglang_world, tmp_path, target_arch, aux_layers, config_ids, norms):
+    export_dir = export(tmp_path, aux_layers, target_arch, **norms)
     cfg = json.loads((export_dir / "config.json").read_text())
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == config_ids
     assert_every_parameter_is_ours(load_into_sglang(export_dir), load_file(str(export_dir / "model.safetensors")),
-                                   SHAPE)
+                                   DrafterShape.from_hf_config(cfg))
 
 
 def assert_every_parameter_is_ours(model, ours, shape: DrafterShape):
@@ -153,6 +159,83 @@ def assert_every_parameter_is_ours(model, ours, shape: DrafterShape):
         assert name == "lm_head.weight" or pad.numel() == 0, name
         assert not (p[covered] == 12345.0).any(), f"{name}: left at its initial value"
     assert torch.equal(model.hot_token_id, ours["d2t"] + torch.arange(shape.draft_vocab_size))
+
+
+class CausalAttention(torch.nn.Module):
+    """Stands in for RadixAttention (which reads an attention backend and KV pools): softmax
+    attention of each row over itself and the rows before it, q [T, nh*d], k, v [T, nkv*d]."""
+
+    def __init__(self, nh: int, nkv: int, d: int):
+        super().__init__()
+        self.nh, self.nkv, self.d = nh, nkv, d
+
+    def forward(self, q, k, v, forward_batch, **unused):
+        T = q.shape[0]
+        q, k, v = (x.view(T, n, self.d).transpose(0, 1) for x, n in ((q, self.nh), (k, self.nkv), (v, self.nkv)))
+        rep = self.nh // self.nkv
+        out = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(rep, 0),
+                                                               v.repeat_interleave(rep, 0), is_causal=True)
+        return out.transpose(0, 1).reshape(T, self.nh * self.d)
+
+
+def sglang_draft_step(model, ids, positions, hidden):
+    """SGLang's LlamaModel.forward over one sequence's rows (an extend batch): hidden [T, k*Ht]
+    (target aux states, through fc) or [T, H] (a previous step's hidden). Returns (logits [T, Vd],
+    the hidden SGLang hands the next draft step)."""
+    from types import SimpleNamespace
+
+    batch = SimpleNamespace(mm_input_embeds=None, spec_info=SimpleNamespace(hidden_states=hidden),
+                            forward_mode=SimpleNamespace(is_extend=lambda: True),
+                            contains_mm_inputs=lambda: False)
+    to_logits, (aux,) = model.model(ids, positions, batch)
+    return to_logits @ model.lm_head.weight[:SHAPE.draft_vocab_size].T, aux
+
+
+@pytest.mark.parametrize("norms", [{"fc_norm": True}, {"norm_output": True}, {"fc_norm": True, "norm_output": True}])
+def test_sglang_computes_our_drafter_with_the_eagle31_norms(sglang_world, tmp_path, norms):
+    import dataclasses
+
+    export_dir = export(tmp_path, [2, 4, 5], "llama", **norms)
+    tensors = load_file(str(export_dir / "model.safetensors"))
+    shape = DrafterShape.from_hf_config(json.loads((export_dir / "config.json").read_text()))
+    assert (shape.fc_norm, shape.norm_output) == (norms.get("fc_norm", False), norms.get("norm_output", False))
+    model = load_into_sglang(export_dir)
+    torch.manual_seed(1)
+    embed = torch.randn(SHAPE.vocab_size, SHAPE.hidden_size)
+    layer = model.model.layers[0].self_attn
+    layer.attn = CausalAttention(SHAPE.num_attention_heads, SHAPE.num_key_value_heads, SHAPE.head_dim)
+    layer.rotary_emb.forward = layer.rotary_emb.forward_native      # its CPU path calls a kernel library
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:SHAPE.vocab_size] = embed
+
+    def ours(s):
+        d = Eagle3Drafter(s)
+        weights = {k: v.float() for k, v in tensors.items() if k not in ("d2t", "t2d")}
+        d.load_state_dict({**weights, "embed_tokens.weight": embed})
+        return d
+
+    T = 7
+    ids, positions = torch.randint(0, SHAPE.vocab_size, (T,)), torch.arange(T)
+    aux = 3 * torch.randn(T, SHAPE.num_aux * SHAPE.target_hidden_size)
+    with torch.no_grad():
+        logits, hidden = sglang_draft_step(model, ids, positions, aux)
+        logits2, _ = sglang_draft_step(model, ids, positions + 1, hidden)     # a second draft step
+        d = ours(shape)
+        our_logits, our_hidden = d(aux[None], ids[None])
+        w = d.weights()
+        h_out, _, _ = d.layer(d.embed_qkv(ids[None], w), our_hidden, d.rope_angles(positions[None] + 1), w)
+        close = dict(rtol=2e-3, atol=2e-3)          # fp32, two GEMM chains of unit-variance weights
+        torch.testing.assert_close(our_logits[0], logits, **close)
+        torch.testing.assert_close(our_hidden[0], hidden, **close)
+        torch.testing.assert_close(d.logits(h_out, w)[0], logits2, **close)
+        # the same weights without the flag: SGLang's numbers must tell them apart
+        for flag in norms:
+            other = Eagle3Drafter(dataclasses.replace(shape, **{flag: False}))
+            sd = d.state_dict()
+            other.load_state_dict({k: v for k, v in sd.items() if not k.startswith("fc_norm.")}
+                                  if flag == "fc_norm" else sd)
+            without_logits, without_hidden = other(aux[None], ids[None])
+            assert not torch.allclose(without_hidden[0], hidden, **close), flag
 
 
 def test_tiny_deepseek_pipeline_export_loads_into_sglang(sglang_world, tmp_path):
