@@ -370,8 +370,9 @@ def markdown_report(rows: Sequence[dict], settings: dict, production_baseline_to
     from eagle3 import judging
     s = settings
     lines = [f"# Drafter evaluation ({s.get('backend')}, target {s.get('target')})", "",
-             f"greedy, topk {s.get('topk')}, max {s.get('max_new_tokens')} new tokens, "
-             f"{s.get('num_prompts') or 'all'} prompts per set, batch 1. tau = tokens per target verify step "
+             f"greedy, topk {s.get('topk')}, max {s.get('max_new_tokens')} new tokens, batch 1, prompts: "
+             + ", ".join(f"{p} {n}" for p, n in dict.fromkeys((r["prompts"], r.get("num_prompts")) for r in rows))
+             + ". tau = tokens per target verify step "
              f"incl. the bonus token ({rows[0]['tau_rule'] if rows else ''} rule); [a, b] = 95% bootstrap "
              f"interval over prompts.", ""]
     prod = " | production baseline tok/s" if production_baseline_tok_s else ""

@@ -138,7 +138,7 @@ def plot_tau(rows: Sequence[dict], out: Path, settings: dict) -> Path:
     groups = _panels(rows)
     several = len(_chains(rows)) > 1
     width = 0.8 / max(len(drafters), 1)
-    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups) * max(len(drafters), 1) + 2), 4.5))
+    fig, ax = plt.subplots(figsize=(min(16, max(6, 0.9 * len(groups) * max(len(drafters), 1) + 2)), 4.5))
     for di, d in enumerate(drafters):
         xs, ys, cis = [], [], []
         for gi, g in enumerate(groups):
@@ -160,22 +160,32 @@ def plot_tau(rows: Sequence[dict], out: Path, settings: dict) -> Path:
 
 
 def plot_acceptance(rows: Sequence[dict], out: Path, settings: dict) -> Path:
-    """Acceptance rate at each draft position, one bar series per drafter x prompt set (x chain)."""
-    k = max((len(r["accept_per_position"]) for r in rows), default=1)
-    several = len(_chains(rows)) > 1
-    width = 0.8 / max(len(rows), 1)
-    fig, ax = plt.subplots(figsize=(min(14, max(6, 0.9 * k * max(len(rows), 1) + 2)), 4.5))
-    for ri, r in enumerate(rows):
-        xs = [j + 1 + (ri - (len(rows) - 1) / 2) * width for j in range(len(r["accept_per_position"]))]
-        label = f"{r['drafter']} / {r['prompts']}" + (f" / chain {r.get('num_steps')}" if several else "")
-        bars = ax.bar(xs, r["accept_per_position"], width * 0.95, label=label)
-        if len(rows) * k <= 24:
-            ax.bar_label(bars, fmt="%.2f", fontsize=7)
-    ax.set_xticks(range(1, k + 1), [str(j) for j in range(1, k + 1)])
-    ax.set_ylim(0, 1.08)
-    ax.set(title=f"Acceptance per draft position ({settings.get('backend')}): accepted / verify steps",
-           xlabel="draft position in the chain", ylabel="acceptance rate (fraction of verify steps)")
-    return _finish(fig, [ax], out)
+    """Acceptance rate at each draft position: one panel per chain length, one line per drafter
+    (color) and prompt set (line style), the rate written at each point when few lines share a panel."""
+    chains = _chains(rows)
+    drafters = list(dict.fromkeys(r["drafter"] for r in rows))
+    sets = list(dict.fromkeys(r["prompts"] for r in rows))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    styles = ["-o", "--s", ":^", "-.D"]
+    fig, axes = plt.subplots(1, len(chains), figsize=(min(16, 2 + 5.5 * len(chains)), 4.5), squeeze=False)
+    for ax, steps in zip(axes[0], chains):
+        mine = [r for r in rows if r.get("num_steps") == steps]
+        for r in mine:
+            acc = r["accept_per_position"]
+            xs = range(1, len(acc) + 1)
+            ax.plot(xs, acc, styles[sets.index(r["prompts"]) % len(styles)], ms=5,
+                    color=colors[drafters.index(r["drafter"]) % len(colors)],
+                    label=f"{r['drafter']} / {r['prompts']}")
+            if len(mine) <= 3:
+                for x, a in zip(xs, acc):
+                    ax.annotate(f"{a:.2f}", (x, a), textcoords="offset points", xytext=(0, 5), ha="center", fontsize=7)
+        k = max((len(r["accept_per_position"]) for r in mine), default=1)
+        ax.set_xticks(range(1, k + 1))
+        ax.set_ylim(0, 1.05)
+        ax.set(title=f"Acceptance per draft position, chain of {steps} ({settings.get('backend')})",
+               xlabel="draft position in the chain",
+               ylabel="acceptance rate (accepted / verify steps)")
+    return _finish(fig, axes[0], out)
 
 
 def plot_categories(rows: Sequence[dict], out: Path) -> Path | None:
