@@ -264,6 +264,8 @@ def evaluate(c: Config) -> Dict[str, Path]:
     stop = ev.stop_token_ids(tokenizer, target_dir)
     prompt_sets = {ev.prompt_set_name(s): ev.load_prompts(s, e.num_prompts, c.data.source, c.data.path,
                                                           c.data.heldout_fraction) for s in e.prompts}
+    print(f"[eval] {len(drafters)} drafter(s) x chains {chains} on " + ", ".join(
+        f"{name} ({len(ps)} prompts)" for name, ps in prompt_sets.items()), file=sys.stderr)
     reference = next((d["name"] for d in drafters if e.reference in (d["name"], d["path"])), None)
     if e.reference and reference is None:
         raise ValueError(f"eval.reference {e.reference!r} is none of the drafters {[d['name'] for d in drafters]}")

@@ -127,7 +127,7 @@ class EvalConfig:
     backend: str = "hf"                       # hf | vllm | sglang
     drafters: List[str] = field(default_factory=list)   # export dirs or run dirs
     prompts: List[str] = field(default_factory=lambda: ["mt_bench"])  # mt_bench | mt_bench_2turn | sharegpt_heldout | a .jsonl path
-    num_prompts: int = 0                      # first N prompts of each set; 0 = all (MT-Bench: 80; sharegpt_heldout: every held-out conversation)
+    num_prompts: int = 0                      # first N prompts of each set; 0 = all (MT-Bench: 80; sharegpt_heldout: every held-out conversation, hundreds)
     max_new_tokens: int = 128
     num_steps: int = 3                        # draft chain length
     chains: List[int] = field(default_factory=list)   # chain lengths judged in one run, one report section each; [] = [num_steps]

@@ -263,6 +263,7 @@ def test_evaluate_hf_end_to_end(tmp_path):
     r = subprocess.run([sys.executable, "evaluate.py", "+experiment=tiny", f"run_dir={tmp_path}/r",
                         f"eval.drafters=[{tmp_path}/run_a,{tmp_path}/run_a/export/vllm]",
                         "eval.prompts=[mt_bench,mt_bench_2turn]", "eval.num_prompts=2", "eval.chains=[3,1]",
+                        f"eval.reference={tmp_path}/run_a/export/vllm",     # the second drafter, by its path
                         "eval.max_new_tokens=12", f"eval.out_dir={out}"],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -274,11 +275,11 @@ def test_evaluate_hf_end_to_end(tmp_path):
         assert x["aux_layers"] == aux and x["baseline_tok_s"] > 0 and len(x["accept_per_position"]) == x["num_steps"]
         lo, hi = x["tau_ci95"]
         assert lo <= x["tau"] <= hi and x["per_category"]["writing"]["num_prompts"] == 2
-    assert rep["settings"]["chains"] == [3, 1] and rep["settings"]["reference"] == "run_a"
+    assert rep["settings"]["chains"] == [3, 1] and rep["settings"]["reference"] == "run_a'"
     # the same drafter reached two ways decodes identically: every prompt a tie, a zero difference
     assert rep["results"][0]["num_accepted"] == rep["results"][2]["num_accepted"]
     assert [(c["num_steps"], c["prompts"], c["reference"], c["drafter"]) for c in rep["comparisons"]] == [
-        (k, p, "run_a", "run_a'") for k in (3, 1) for p in ("mt_bench", "mt_bench_2turn")]
+        (k, p, "run_a'", "run_a") for k in (3, 1) for p in ("mt_bench", "mt_bench_2turn")]
     for c in rep["comparisons"]:
         assert (c["ties"], c["mean_diff_ci95"], c["tau_ratio"]) == (2, [0.0, 0.0], 1.0)
     lines = [json.loads(l) for l in (out / "per_prompt.jsonl").read_text().splitlines()]
