@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import sys
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -70,6 +72,13 @@ def ratio_interval(num: np.ndarray, den: np.ndarray, resamples: int = RESAMPLES,
     return percentile_interval(stats, level)
 
 
+def sign_test(wins: int, losses: int) -> float:
+    """Two-sided exact sign test: the chance of a split at least this uneven if each prompt were a
+    coin flip between the two drafters (ties left out)."""
+    n, k = wins + losses, min(wins, losses)
+    return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n) if n else 1.0
+
+
 def paired(ref: Tuple[np.ndarray, np.ndarray], other: Tuple[np.ndarray, np.ndarray], resamples: int = RESAMPLES,
            seed: int = SEED, level: float = LEVEL, tie_tol: float = 1e-12) -> dict:
     """Two drafters on the same prompts (arrays aligned by prompt): other against ref.
@@ -77,16 +86,17 @@ def paired(ref: Tuple[np.ndarray, np.ndarray], other: Tuple[np.ndarray, np.ndarr
     Per-prompt tau is n_i / d_i; a prompt without a verify step under either drafter has none and
     is left out of wins/losses/ties and the mean difference (it adds nothing to either ratio).
     mean_diff: mean over prompts of tau_other - tau_ref; tau_ratio: T_other / T_ref (ratios of sums).
-    Both intervals resample the same prompt indices for the two drafters.
+    Both intervals resample the same prompt indices for the two drafters. sign_test_p: sign_test().
     """
     (rn, rd), (on, od) = ref, other
     ok = (rd > 0) & (od > 0)
     diff = on[ok] / od[ok] - rn[ok] / rd[ok]
     out = {"num_prompts": int(len(rd)), "num_paired": int(ok.sum()),
            "wins": int((diff > tie_tol).sum()), "losses": int((diff < -tie_tol).sum()),
-           "ties": int((np.abs(diff) <= tie_tol).sum()),
+           "ties": int((np.abs(diff) <= tie_tol).sum()), "sign_test_p": None,
            "mean_diff": float(diff.mean()) if diff.size else None, "mean_diff_ci95": None,
            "tau_ratio": None, "tau_ratio_ci95": None, "per_prompt_diff": [float(x) for x in diff]}
+    out["sign_test_p"] = sign_test(out["wins"], out["losses"])
     if diff.size:
         means = np.concatenate([diff[i].mean(1) for i in resample_indices(diff.size, resamples, seed)])
         out["mean_diff_ci95"] = percentile_interval(means, level)
@@ -191,12 +201,12 @@ def comparison_table(comparisons: Sequence[dict], num_steps: int) -> List[str]:
         return []
     lines = ["Paired against the reference drafter on the same prompts (per-prompt tau = tokens / verify "
              "steps of that prompt; 95% paired bootstrap intervals over prompts):", "",
-             "| drafter | reference | prompts | tau vs reference | wins / losses / ties | "
-             "mean per-prompt difference | tau ratio |", "|" + "---|" * 7]
+             "| drafter | reference | prompts | tau vs reference | wins / losses / ties | sign test p | "
+             "mean per-prompt difference | tau ratio |", "|" + "---|" * 8]
     for c in rows:
         lines.append(f"| {c['drafter']} | {c['reference']} | {c['prompts']} | "
                      f"{_ci(c['tau'], None)} vs {_ci(c['reference_tau'], None)} | "
-                     f"{c['wins']} / {c['losses']} / {c['ties']} | "
+                     f"{c['wins']} / {c['losses']} / {c['ties']} | {c['sign_test_p']:.2g} | "
                      f"{_ci(c['mean_diff'], c['mean_diff_ci95'], '{:+.3f}')} | "
                      f"{_ci(c['tau_ratio'], c['tau_ratio_ci95'], '{:.3f}')} |")
     return lines + [""]
@@ -205,6 +215,14 @@ def comparison_table(comparisons: Sequence[dict], num_steps: int) -> List[str]:
 # ----------------------------------------------------------------------------------------------
 # python -m eagle3.judging OUT_DIR...: the same judgement from existing evaluation directories
 
+COMPARABLE = ("backend", "target_fingerprint", "max_new_tokens", "topk", "temperature", "stop_token_ids")
+
+
+def load_settings(out_dir: Path) -> dict:
+    path = Path(out_dir) / "report.json"
+    return json.loads(path.read_text()).get("settings", {}) if path.exists() else {}
+
+
 def load_per_prompt(out_dir: Path) -> List[dict]:
     """per_prompt.jsonl of one evaluate.py run. Records written before they carried num_steps,
     tau_rule and category get them from the run's report.json and the MT-Bench file."""
@@ -212,8 +230,7 @@ def load_per_prompt(out_dir: Path) -> List[dict]:
     path = out_dir / "per_prompt.jsonl"
     if not path.exists():
         raise FileNotFoundError(f"{path} not found: is {out_dir} an evaluate.py output directory?")
-    report = json.loads((out_dir / "report.json").read_text()) if (out_dir / "report.json").exists() else {}
-    settings = report.get("settings", {})
+    settings = load_settings(out_dir)
     rule = "sglang" if settings.get("backend") == "sglang" else "vllm"
     cats = None
     records = []
@@ -247,7 +264,13 @@ def main(argv=None) -> None:
     p.add_argument("--reference", default="", help="drafter to compare against (default: the first)")
     p.add_argument("--out", type=Path, default=Path("judging"), help="where judging.json/.md and plots go")
     a = p.parse_args(argv)
-    records = []
+    records, notes = [], []
+    settings = [load_settings(d) for d in a.out_dirs]
+    for key in COMPARABLE:
+        if len({json.dumps(s.get(key)) for s in settings}) > 1:
+            notes.append(f"the runs differ in {key}: " + ", ".join(f"{d.name} {s.get(key)}" for d, s in zip(a.out_dirs, settings)))
+    for n in notes:
+        print(f"WARNING: {n}", file=sys.stderr)
     for d in a.out_dirs:
         recs = load_per_prompt(d)
         taken = {r["drafter"] for r in records}
@@ -263,13 +286,14 @@ def main(argv=None) -> None:
     pngs = [plots.plot_categories(results, a.out / "categories.png"),
             plots.plot_paired(comparisons, a.out / "paired.png")]
     lines = [f"# Drafters compared from {', '.join(str(d) for d in a.out_dirs)}", ""]
+    lines += [f"Warning: {n}; their tau are not comparable." for n in notes] + ([""] if notes else [])
     for steps in sorted({k[2] for k in summaries}):
         lines += [f"## Chain of {steps} draft tokens", "", "| drafter | prompts | tau [95% CI] | prompts |",
                   "|---|---|---|---|"]
         lines += [f"| {k[0]} | {k[1]} | {_ci(v['tau'], v['tau_ci95'])} | {v['num_prompts']} |"
                   for k, v in summaries.items() if k[2] == steps] + [""]
         lines += category_table(summaries, steps) + comparison_table(comparisons, steps)
-    lines += ["Plots: " + ", ".join(p.name for p in pngs if p)]
+    lines += ["Figures: " + ", ".join(f"[{p.name}]({p.name})" for p in pngs if p)]
     (a.out / "judging.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

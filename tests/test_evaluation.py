@@ -221,7 +221,7 @@ def test_report_files(tmp_path):
                 "max_new_tokens": 64, "num_prompts": 5}
     comparisons = [{"prompts": "mt_bench", "num_steps": 3, "reference": "trained", "drafter": "untrained",
                     "reference_tau": 2.1, "tau": 1.0, "num_prompts": 3, "num_paired": 3, "wins": 0, "losses": 3,
-                    "ties": 0, "mean_diff": -1.1, "mean_diff_ci95": [-1.3, -0.9], "tau_ratio": 1 / 2.1,
+                    "ties": 0, "sign_test_p": 0.25, "mean_diff": -1.1, "mean_diff_ci95": [-1.3, -0.9], "tau_ratio": 1 / 2.1,
                     "tau_ratio_ci95": [0.4, 0.55], "per_prompt_diff": [-1.3, -1.1, -0.9], "prompt_ids": ["1", "2", "3"]}]
     paths = ev.write_report(tmp_path, rows, settings, {"vllm": "0.32.0"}, production_baseline_tok_s=90,
                             comparisons=comparisons)
@@ -231,7 +231,7 @@ def test_report_files(tmp_path):
     md = paths["md"].read_text()
     assert "| trained | mt_bench | 2.10 [2.00, 2.15] | 0.600 / 0.300 / 0.200 |" in md and "| 90 |" in md
     assert "## Chain of 3 draft tokens" in md and "| trained | mt_bench | 2.10 [1.90, 2.20] (n=3) |" in md
-    assert "| untrained | trained | mt_bench | 1.00 vs 2.10 | 0 / 3 / 0 | -1.100 [-1.300, -0.900] |" in md
+    assert "| untrained | trained | mt_bench | 1.00 vs 2.10 | 0 / 3 / 0 | 0.25 | -1.100 [-1.300, -0.900] |" in md
     for k in ("tau_png", "accept_png", "categories_png", "paired_png"):
         assert paths[k].read_bytes()[:4] == b"\x89PNG" and paths[k].stat().st_size > 10_000
         assert f"({paths[k].name})" in md

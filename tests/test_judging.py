@@ -28,12 +28,19 @@ def test_paired_comparison_by_hand():
     oth = [rec("o", "1", 2, 2), rec("o", "2", 2, 2), rec("o", "3", 4, 0), rec("o", "4", 2, 5), rec("o", "5", 1, 1)]
     c = judging.paired(judging.counts(ref, "vllm"), judging.counts(oth, "vllm"), resamples=2000)
     assert (c["wins"], c["losses"], c["ties"], c["num_paired"], c["num_prompts"]) == (2, 1, 1, 4, 5)
+    assert c["sign_test_p"] == pytest.approx(1.0)                 # 2 of 3: P(X <= 1) x 2 = 2 x 4/8
     assert c["mean_diff"] == pytest.approx((0.5 + 0 - 0.25 + 0.5) / 4)
     assert c["per_prompt_diff"] == pytest.approx([0.5, 0.0, -0.25, 0.5])
     t_ref, t_oth = (11 + 8) / 11, (11 + 10) / 11                 # sum(drafts + accepted) / sum(drafts)
     assert c["tau_ratio"] == pytest.approx(t_oth / t_ref)
     lo, hi = c["mean_diff_ci95"]
     assert -0.25 <= lo <= c["mean_diff"] <= hi <= 0.5
+
+
+def test_sign_test_by_hand():
+    assert judging.sign_test(19, 0) == pytest.approx(2 / 2 ** 19)
+    assert judging.sign_test(2, 8) == pytest.approx(2 * (1 + 10 + 45) / 1024)
+    assert judging.sign_test(0, 0) == 1.0
 
 
 def test_ratio_interval_matches_a_naive_loop():
@@ -113,6 +120,21 @@ def test_cli_rejudges_old_per_prompt_files(tmp_path):
     assert (c["reference"], c["drafter"], c["wins"], c["mean_diff"]) == ("x", "y", 3, pytest.approx(0.25))
     assert c["mean_diff_ci95"] == pytest.approx([0.25, 0.25])
     md = (tmp_path / "j" / "judging.md").read_text()
-    assert "## Chain of 3 draft tokens" in md and "| y | x | mt_bench |" in md
+    assert "## Chain of 3 draft tokens" in md and "| y | x | mt_bench |" in md and "Warning" not in md
     for png in ("categories.png", "paired.png"):
         assert (tmp_path / "j" / png).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_cli_across_runs_renames_clashes_and_warns_on_different_settings(tmp_path):
+    for name, max_new in (("a", 128), ("b", 256)):
+        out = tmp_path / name
+        out.mkdir()
+        (out / "report.json").write_text(json.dumps({"settings": {"backend": "vllm", "max_new_tokens": max_new}}))
+        (out / "per_prompt.jsonl").write_text("".join(json.dumps(rec("x", pid, 4, acc)) + "\n"
+                                                      for pid, acc in (("81", 2), ("82", 3 if name == "a" else 4))))
+    judging.main([str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "j")])
+    rep = json.loads((tmp_path / "j" / "judging.json").read_text())
+    c = rep["comparisons"][0]
+    assert (c["reference"], c["drafter"], c["wins"], c["ties"]) == ("x", "b/x", 1, 1)
+    md = (tmp_path / "j" / "judging.md").read_text()
+    assert "Warning: the runs differ in max_new_tokens: a 128, b 256" in md
