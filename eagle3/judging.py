@@ -91,12 +91,12 @@ def paired(ref: Tuple[np.ndarray, np.ndarray], other: Tuple[np.ndarray, np.ndarr
     (rn, rd), (on, od) = ref, other
     ok = (rd > 0) & (od > 0)
     diff = on[ok] / od[ok] - rn[ok] / rd[ok]
+    wins, losses = int((diff > tie_tol).sum()), int((diff < -tie_tol).sum())
     out = {"num_prompts": int(len(rd)), "num_paired": int(ok.sum()),
-           "wins": int((diff > tie_tol).sum()), "losses": int((diff < -tie_tol).sum()),
-           "ties": int((np.abs(diff) <= tie_tol).sum()), "sign_test_p": None,
+           "wins": wins, "losses": losses, "ties": int(diff.size) - wins - losses,
+           "sign_test_p": sign_test(wins, losses),
            "mean_diff": float(diff.mean()) if diff.size else None, "mean_diff_ci95": None,
            "tau_ratio": None, "tau_ratio_ci95": None, "per_prompt_diff": [float(x) for x in diff]}
-    out["sign_test_p"] = sign_test(out["wins"], out["losses"])
     if diff.size:
         means = np.concatenate([diff[i].mean(1) for i in resample_indices(diff.size, resamples, seed)])
         out["mean_diff_ci95"] = percentile_interval(means, level)
@@ -268,7 +268,7 @@ def main(argv=None) -> None:
     settings = [load_settings(d) for d in a.out_dirs]
     for key in COMPARABLE:
         if len({json.dumps(s.get(key)) for s in settings}) > 1:
-            notes.append(f"the runs differ in {key}: " + ", ".join(f"{d.name} {s.get(key)}" for d, s in zip(a.out_dirs, settings)))
+            notes.append(f"the runs differ in {key}: " + ", ".join(f"{d} {s.get(key)}" for d, s in zip(a.out_dirs, settings)))
     for n in notes:
         print(f"WARNING: {n}", file=sys.stderr)
     for d in a.out_dirs:
@@ -276,7 +276,7 @@ def main(argv=None) -> None:
         taken = {r["drafter"] for r in records}
         if taken & {r["drafter"] for r in recs if r["drafter"] != "baseline"}:   # same name in two runs
             for r in recs:
-                r["drafter"] = f"{d.name}/{r['drafter']}"
+                r["drafter"] = f"{d}/{r['drafter']}"
         records += recs
     summaries, comparisons = judge(records, a.reference)
     a.out.mkdir(parents=True, exist_ok=True)
@@ -288,7 +288,7 @@ def main(argv=None) -> None:
     lines = [f"# Drafters compared from {', '.join(str(d) for d in a.out_dirs)}", ""]
     lines += [f"Warning: {n}; their tau are not comparable." for n in notes] + ([""] if notes else [])
     for steps in sorted({k[2] for k in summaries}):
-        lines += [f"## Chain of {steps} draft tokens", "", "| drafter | prompts | tau [95% CI] | prompts |",
+        lines += [f"## Chain of {steps} draft tokens", "", "| drafter | prompts | tau [95% CI] | n prompts |",
                   "|---|---|---|---|"]
         lines += [f"| {k[0]} | {k[1]} | {_ci(v['tau'], v['tau_ci95'])} | {v['num_prompts']} |"
                   for k, v in summaries.items() if k[2] == steps] + [""]

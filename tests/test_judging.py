@@ -135,6 +135,6 @@ def test_cli_across_runs_renames_clashes_and_warns_on_different_settings(tmp_pat
     judging.main([str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "j")])
     rep = json.loads((tmp_path / "j" / "judging.json").read_text())
     c = rep["comparisons"][0]
-    assert (c["reference"], c["drafter"], c["wins"], c["ties"]) == ("x", "b/x", 1, 1)
+    assert (c["reference"], c["drafter"], c["wins"], c["ties"]) == ("x", f"{tmp_path}/b/x", 1, 1)
     md = (tmp_path / "j" / "judging.md").read_text()
-    assert "Warning: the runs differ in max_new_tokens: a 128, b 256" in md
+    assert f"Warning: the runs differ in max_new_tokens: {tmp_path}/a 128, {tmp_path}/b 256" in md
