@@ -268,7 +268,8 @@ def main(argv=None) -> None:
     settings = [load_settings(d) for d in a.out_dirs]
     for key in COMPARABLE:
         if len({json.dumps(s.get(key)) for s in settings}) > 1:
-            notes.append(f"the runs differ in {key}: " + ", ".join(f"{d} {s.get(key)}" for d, s in zip(a.out_dirs, settings)))
+            values = ", ".join(f"{d} {s.get(key)}" for d, s in zip(a.out_dirs, settings))
+            notes.append(f"the runs differ in {key}: {values}")
     for n in notes:
         print(f"WARNING: {n}", file=sys.stderr)
     for d in a.out_dirs:
