@@ -332,7 +332,7 @@ def sglang_counters(response: dict, num_steps: int) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------
-# report.json, report.md, plots
+# report.json and report.md (the figures are eagle3/plots.py's)
 
 def write_report(out_dir: Path, rows: List[dict], settings: dict, versions: dict,
                  production_baseline_tok_s: Optional[float] = None,
