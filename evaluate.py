@@ -1,15 +1,19 @@
 """Drafters -> acceptance length, tok/s and speedup, measured by a real decoder.
 
     python evaluate.py +experiment=NAME eval.drafters=[runs/NAME] [eval.backend=hf|vllm|sglang]
-        [eval.prompts=[mt_bench,mt_bench_2turn,sharegpt_heldout,path.jsonl]] [eval.num_steps=3] ...
+        [eval.prompts=[mt_bench,mt_bench_2turn,sharegpt_heldout,path.jsonl]] [eval.num_steps=3]
+        [eval.chains=[3,7]] [eval.reference=NAME] ...
 
-Every backend decodes each prompt set twice per drafter list: once without a drafter (baseline
-tok/s) and once per drafter, one prompt at a time (batch 1, greedy), and hands back the engine's
-own acceptance counters per prompt (eagle3.evaluation.DecodeStats). Writes report.json, report.md,
-tau.png, acceptance.png and per_prompt.jsonl to eval.out_dir.
+Every backend decodes each prompt set once without a drafter (baseline tok/s) and once per drafter
+and chain length, one prompt at a time (batch 1, greedy), and hands back the engine's own
+acceptance counters per prompt (eagle3.evaluation.DecodeStats). eagle3.judging turns those into
+tau with bootstrap intervals, tau per MT-Bench category and paired comparisons against the
+reference drafter. Writes report.json, report.md, per_prompt.jsonl and the figures (tau.png,
+acceptance.png, categories.png, paired.png) to eval.out_dir.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -20,6 +24,7 @@ from typing import Callable, Dict, List, Tuple
 import hydra
 
 from eagle3 import chat, evaluation as ev
+from eagle3 import judging
 from eagle3.config import Config, register, to_config
 
 register()
@@ -32,7 +37,7 @@ def decode_prompts(prompts: List[ev.Prompt], tokenizer, generate: Generate) -> L
     """Every turn of every prompt; later turns follow the model's own previous answer."""
     out = []
     for p in prompts:
-        st = ev.DecodeStats(p.id, [], 0.0)
+        st = ev.DecodeStats(p.id, [], 0.0, category=p.category)
         messages = list(p.messages)
         for turn, followup in enumerate([None] + list(p.followups)):
             if followup is not None:
@@ -54,9 +59,16 @@ def decode_prompts(prompts: List[ev.Prompt], tokenizer, generate: Generate) -> L
 
 
 # --------------------------------------------------------------------------------------------
-# Backends: each returns ({prompt set: baseline stats}, {(drafter, prompt set): stats}, versions)
+# Backends: each returns ({prompt set: baseline stats}, {(drafter, prompt set, chain): stats}, versions).
+# The baseline is decoded once; each drafter once per chain length in `chains`.
 
-def run_hf(e, target_dir, dtype_name, drafters, prompt_sets, tokenizer, stop) -> tuple:
+def at_chain(e, k: int):
+    """The eval settings for a chain of k draft tokens. An explicit num_draft_tokens belongs to
+    eval.num_steps; any other chain verifies k + 1 tokens."""
+    return dataclasses.replace(e, num_steps=k, num_draft_tokens=e.num_draft_tokens if k == e.num_steps else 0)
+
+
+def run_hf(e, target_dir, dtype_name, drafters, prompt_sets, tokenizer, stop, chains) -> tuple:
     import torch
     import transformers
     from eagle3.specdec import greedy_decode, load_hf_drafter, spec_decode
@@ -69,19 +81,19 @@ def run_hf(e, target_dir, dtype_name, drafters, prompt_sets, tokenizer, stop) ->
     spec = {}
     for d in drafters:
         chain = load_hf_drafter(d["export"], model, device, dtype)
-
-        def gen(ids, chain=chain, aux=d["aux_layers"]):
-            toks, c, secs = spec_decode(model, chain, ids, aux, e.num_steps, e.max_new_tokens, stop)
-            return toks, secs, {"drafts": c.num_drafts, "draft_tokens": c.num_draft_tokens,
-                                "accepted": c.num_accepted, "per_pos": c.accepted_per_pos}
-        for name, ps in prompt_sets.items():
-            spec[(d["name"], name)] = decode_prompts(ps, tokenizer, gen)
+        for k in chains:
+            def gen(ids, chain=chain, aux=d["aux_layers"], k=k):
+                toks, c, secs = spec_decode(model, chain, ids, aux, k, e.max_new_tokens, stop)
+                return toks, secs, {"drafts": c.num_drafts, "draft_tokens": c.num_draft_tokens,
+                                    "accepted": c.num_accepted, "per_pos": c.accepted_per_pos}
+            for name, ps in prompt_sets.items():
+                spec[(d["name"], name, k)] = decode_prompts(ps, tokenizer, gen)
     versions = {"torch": torch.__version__, "transformers": transformers.__version__,
                 "device": device, "dtype": str(dtype).replace("torch.", "")}
     return base, spec, versions
 
 
-def run_vllm(e, target_dir, max_model_len, drafters, prompt_sets, tokenizer, stop) -> tuple:
+def run_vllm(e, target_dir, max_model_len, drafters, prompt_sets, tokenizer, stop, chains) -> tuple:
     """vLLM in-process (its CPU build here): one LLM object at a time, freed before the next."""
     import gc
 
@@ -126,20 +138,21 @@ def run_vllm(e, target_dir, max_model_len, drafters, prompt_sets, tokenizer, sto
     base = with_llm()
     spec = {}
     for d in drafters:
-        out = with_llm(speculative_config={"method": "eagle3", "model": str(d["export"]),
-                                           "num_speculative_tokens": e.num_steps}, drafter=d)
-        spec.update({(d["name"], name): st for name, st in out.items()})
+        for k in chains:
+            out = with_llm(speculative_config={"method": "eagle3", "model": str(d["export"]),
+                                               "num_speculative_tokens": k}, drafter=d)
+            spec.update({(d["name"], name, k): st for name, st in out.items()})
     return base, spec, {"vllm": vllm.__version__, "torch": torch.__version__,
                         "vllm_settings": {k: v for k, v in common.items() if k != "model"}}
 
 
-def run_sglang(e, target_dir, trust_remote_code, drafters, prompt_sets, tokenizer, stop, out_dir) -> tuple:
+def run_sglang(e, target_dir, trust_remote_code, drafters, prompt_sets, tokenizer, stop, out_dir, chains) -> tuple:
     """A fresh `sglang.launch_server` per configuration (its counters are per request, but a fresh
     server keeps caches and warm-up identical), or eval.server_url for one running server."""
     from capture import sglang_server as srv
     from eagle3.serving import eval_server_cmd, server_cmd, sglang_python
 
-    def serve(draft, tag) -> Dict[str, List[ev.DecodeStats]]:
+    def serve(draft, tag, e=e) -> Dict[str, List[ev.DecodeStats]]:
         if e.server_url:
             return decode_sglang(e.server_url.rstrip("/"), prompt_sets, tokenizer, stop, e)
         port = srv.free_port()
@@ -160,7 +173,9 @@ def run_sglang(e, target_dir, trust_remote_code, drafters, prompt_sets, tokenize
     base = {} if e.server_url else serve(None, "baseline")
     spec = {}
     for d in drafters:
-        spec.update({(d["name"], name): st for name, st in serve(d["export"], d["name"]).items()})
+        for k in chains:
+            out = serve(d["export"], f"{d['name']}_chain{k}", at_chain(e, k))
+            spec.update({(d["name"], name, k): st for name, st in out.items()})
     return base, spec, {"sglang": _pkg_version("sglang")}
 
 
@@ -235,6 +250,11 @@ def evaluate(c: Config) -> Dict[str, Path]:
     if e.temperature != 0.0 or (e.backend != "sglang" and e.topk != 1):
         raise ValueError("only greedy chain drafting is evaluated (temperature 0; topk 1 for hf and vllm): "
                          f"got temperature {e.temperature}, topk {e.topk}")
+    chains = list(dict.fromkeys(e.chains)) or [e.num_steps]
+    if min(chains) < 1:
+        raise ValueError(f"eval.chains {list(e.chains)}: chain lengths are at least 1")
+    if e.server_url and chains != [e.num_steps]:
+        raise ValueError("eval.server_url: a running server has one chain length; leave eval.chains empty")
     t = c.target
     target = prepare_target(t.source, t.path, t.name, t.arch, t.random_config, t.seed, c.aux_layers)
     target_dir, info = target.dir, target.info
@@ -243,39 +263,50 @@ def evaluate(c: Config) -> Dict[str, Path]:
     stop = chat.stop_ids(tokenizer, target_dir)
     prompt_sets = {ev.prompt_set_name(s): ev.load_prompts(s, e.num_prompts, c.data.source, c.data.path,
                                                           c.data.heldout_fraction) for s in e.prompts}
+    print(f"[eval] {len(drafters)} drafter(s) x chains {chains} on " + ", ".join(
+        f"{name} ({len(ps)} prompts)" for name, ps in prompt_sets.items()), file=sys.stderr)
+    reference = next((d["name"] for d in drafters if e.reference in (d["name"], d["path"])), None)
+    if e.reference and reference is None:
+        raise ValueError(f"eval.reference {e.reference!r} is none of the drafters {[d['name'] for d in drafters]}")
     out_dir = Path(e.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if e.backend == "hf":
-        base, spec, versions = run_hf(e, target_dir, t.dtype, drafters, prompt_sets, tokenizer, stop)
+        base, spec, versions = run_hf(e, target_dir, t.dtype, drafters, prompt_sets, tokenizer, stop, chains)
     elif e.backend == "vllm":
         longest = max(len(chat.render_prompt(tokenizer, p.messages)) + sum(len(tokenizer(f)["input_ids"]) + 32
                       for f in p.followups) for ps in prompt_sets.values() for p in ps)
         turns = 1 + max(len(p.followups) for ps in prompt_sets.values() for p in ps)
-        max_len = min(info.max_position_embeddings or 1 << 30, longest + turns * e.max_new_tokens + e.num_steps + 64)
-        base, spec, versions = run_vllm(e, target_dir, max_len, drafters, prompt_sets, tokenizer, stop)
+        max_len = min(info.max_position_embeddings or 1 << 30, longest + turns * e.max_new_tokens + max(chains) + 64)
+        base, spec, versions = run_vllm(e, target_dir, max_len, drafters, prompt_sets, tokenizer, stop, chains)
     else:
         base, spec, versions = run_sglang(e, target_dir, t.trust_remote_code, drafters, prompt_sets,
-                                          tokenizer, stop, out_dir)
+                                          tokenizer, stop, out_dir, chains)
+    rule = "sglang" if e.backend == "sglang" else "vllm"
+    records = ev.per_prompt_records(base, spec, rule)
+    with open(out_dir / "per_prompt.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    judged, comparisons = judging.judge(records, reference or "")
     rows = []
-    for d in drafters:
-        for name in prompt_sets:
-            row = ev.summarize(spec[(d["name"], name)], base.get(name, []),
-                               "sglang" if e.backend == "sglang" else "vllm")
-            rows.append({"drafter": d["name"], "drafter_path": str(d["export"]), "prompts": name,
-                         "aux_layers": d["aux_layers"], "engine_aux_layers": d.get("engine_aux_layers"), **row})
-            for m in row["mismatches"]:
-                print(f"MISMATCH {d['name']} / {name}: prompt {m['prompt_id']} turn {m['turn']} differs from "
-                      f"the plain decode at token {m['first_diff']}", file=sys.stderr)
+    for k in chains:
+        for d in drafters:
+            for name in prompt_sets:
+                row = ev.summarize(spec[(d["name"], name, k)], base.get(name, []), rule)
+                j = judged[(d["name"], name, k)]
+                rows.append({"drafter": d["name"], "drafter_path": str(d["export"]), "prompts": name, "num_steps": k,
+                             "aux_layers": d["aux_layers"], "engine_aux_layers": d.get("engine_aux_layers"), **row,
+                             "tau_ci95": j["tau_ci95"], "per_category": j["per_category"]})
+                for m in row["mismatches"]:
+                    print(f"MISMATCH {d['name']} / {name} / chain {k}: prompt {m['prompt_id']} turn {m['turn']} "
+                          f"differs from the plain decode at token {m['first_diff']}", file=sys.stderr)
     settings = {"backend": e.backend, "target": t.name, "target_path": str(target_dir),
                 "target_fingerprint": info.fingerprint, "prompts": list(e.prompts),
                 "num_prompts": e.num_prompts, "max_new_tokens": e.max_new_tokens, "num_steps": e.num_steps,
-                "topk": e.topk, "num_draft_tokens": e.num_draft_tokens or e.num_steps + 1,
-                "temperature": e.temperature, "batch_size": 1, "stop_token_ids": stop}
-    with open(out_dir / "per_prompt.jsonl", "w") as f:
-        for key, stats in [(("baseline", n), s) for n, s in base.items()] + list(spec.items()):
-            for s in ev.stats_to_json(stats):
-                f.write(json.dumps({"drafter": key[0], "prompts": key[1], **s}) + "\n")
-    paths = ev.write_report(out_dir, rows, settings, versions, e.baseline_tok_s)
+                "chains": chains, "topk": e.topk, "num_draft_tokens": e.num_draft_tokens or e.num_steps + 1,
+                "temperature": e.temperature, "batch_size": 1, "stop_token_ids": stop,
+                "reference": reference or drafters[0]["name"],
+                "bootstrap": {"resamples": judging.RESAMPLES, "seed": judging.SEED, "level": judging.LEVEL,
+                              "unit": "prompt"}}
+    paths = ev.write_report(out_dir, rows, settings, versions, e.baseline_tok_s, comparisons)
     print(paths["md"].read_text())
     return paths
 

@@ -131,9 +131,13 @@ class EvalConfig:
     backend: str = "hf"                       # hf | vllm | sglang
     drafters: List[str] = field(default_factory=list)   # export dirs or run dirs
     prompts: List[str] = field(default_factory=lambda: ["mt_bench"])  # mt_bench | mt_bench_2turn | sharegpt_heldout | a .jsonl path
-    num_prompts: int = 20
+    # First N prompts of each set; 0 = all: the 80 MT-Bench questions (10 per category), but every
+    # held-out conversation for sharegpt_heldout (hundreds), so give that set a number.
+    num_prompts: int = 0
     max_new_tokens: int = 128
     num_steps: int = 3                        # draft chain length
+    chains: List[int] = field(default_factory=list)   # chain lengths judged in one run (e.g. [3, 7]); [] = [num_steps]
+    reference: str = ""                       # the drafter others are compared with (a name or an eval.drafters entry); "" = the first
     topk: int = 1
     num_draft_tokens: int = 0                 # 0 = num_steps + 1 (a chain)
     temperature: float = 0.0

@@ -1,5 +1,6 @@
 """Evaluation pieces every backend shares: prompt sets, the drafter/target fit check, the
-engines' acceptance counters turned into one record, report.json, report.md and the plots.
+engines' acceptance counters turned into one record, per_prompt.jsonl records, report.json and
+report.md (the statistics are eagle3/judging.py's, the figures eagle3/plots.py's).
 
 The decode loops themselves live in eagle3/specdec.py (`hf`) and evaluate.py (`vllm`, `sglang`);
 they all hand back `DecodeStats` per prompt, so tau is summed the same way whatever ran it.
@@ -24,6 +25,7 @@ class Prompt:
     id: str
     messages: List[dict]                                  # the conversation up to its first user turn
     followups: List[str] = field(default_factory=list)    # later user turns, each sent after the model's own answer
+    category: str = ""                                    # MT-Bench category (writing, coding, ...); "" when the set has none
 
 
 def mt_bench_file() -> Path:
@@ -37,7 +39,7 @@ def prompt_set_name(spec: str) -> str:
 
 def load_prompts(spec: str, num_prompts: int, data_source: str = "sharegpt", data_path: str = "",
                  heldout_fraction: float = 0.02) -> List[Prompt]:
-    """The first `num_prompts` prompts (0 = all) of a prompt set.
+    """The first `num_prompts` prompts (0 = all) of a prompt set, in file order.
 
     spec: mt_bench (first turns) | mt_bench_2turn (both turns) | sharegpt_heldout (first user turns
     of conversations in the held-out split of `data_source`, which training never sees, whatever its
@@ -70,7 +72,7 @@ def _mt_bench(path: Path, num_prompts: int, two_turns: bool) -> List[Prompt]:
         turns = rec["turns"]
         pid = str(rec.get("question_id", len(prompts)))
         prompts.append(Prompt(pid, [{"role": "user", "content": turns[0]}],
-                              list(turns[1:]) if two_turns else []))
+                              list(turns[1:]) if two_turns else [], str(rec.get("category", ""))))
         if num_prompts and len(prompts) == num_prompts:
             break
     return prompts
@@ -193,6 +195,7 @@ class DecodeStats:
     num_accepted: int = 0              # accepted draft tokens, bonus tokens not included
     accepted_per_pos: List[int] = field(default_factory=list)   # [k]: verify steps whose draft j was accepted
     engine_tokens: int = 0             # SGLang: completion_tokens as it counted them (its tau numerator)
+    category: str = ""                 # the prompt's category, so comparisons can be regrouped from per_prompt.jsonl
 
     @property
     def new_tokens(self) -> int:
@@ -300,20 +303,30 @@ def sglang_counters(response: dict, num_steps: int) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------
-# report.json, report.md, plots
+# report.json and report.md (the figures are eagle3/plots.py's)
 
 def write_report(out_dir: Path, rows: List[dict], settings: dict, versions: dict,
-                 production_baseline_tok_s: Optional[float] = None) -> Dict[str, Path]:
-    """rows: one dict per drafter x prompt set (summarize() plus "drafter", "drafter_path", "prompts")."""
+                 production_baseline_tok_s: Optional[float] = None,
+                 comparisons: Sequence[dict] = ()) -> Dict[str, Path]:
+    """rows: one dict per drafter x prompt set x chain (summarize() plus "drafter", "drafter_path",
+    "prompts", "num_steps", and judging's "tau_ci95" and "per_category"); comparisons: judging's."""
+    from eagle3 import plots
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    rows = [{"num_steps": settings.get("num_steps"), **r} for r in rows]
     report = {"settings": settings, "versions": versions,
-              "production_baseline_tok_s": production_baseline_tok_s, "results": rows}
+              "production_baseline_tok_s": production_baseline_tok_s, "results": rows,
+              "comparisons": list(comparisons)}
     paths = {"json": out_dir / "report.json", "md": out_dir / "report.md"}
     paths["json"].write_text(json.dumps(report, indent=2) + "\n")
-    paths["md"].write_text(markdown_table(rows, settings, production_baseline_tok_s))
-    paths["tau_png"] = plot_tau(rows, out_dir / "tau.png", settings)
-    paths["accept_png"] = plot_acceptance(rows, out_dir / "acceptance.png", settings)
+    paths["tau_png"] = plots.plot_tau(rows, out_dir / "tau.png", settings)
+    paths["accept_png"] = plots.plot_acceptance(rows, out_dir / "acceptance.png", settings)
+    for key, png in (("categories_png", plots.plot_categories(rows, out_dir / "categories.png")),
+                     ("paired_png", plots.plot_paired(comparisons, out_dir / "paired.png"))):
+        if png is not None:
+            paths[key] = png
+    figures = [p for k, p in paths.items() if k.endswith("_png")]
+    paths["md"].write_text(markdown_report(rows, settings, production_baseline_tok_s, comparisons, figures))
     return paths
 
 
@@ -321,86 +334,49 @@ def _f(x, fmt="{:.2f}") -> str:
     return "-" if x is None else fmt.format(x)
 
 
-def markdown_table(rows: Sequence[dict], settings: dict, production_baseline_tok_s=None) -> str:
+def markdown_report(rows: Sequence[dict], settings: dict, production_baseline_tok_s=None,
+                    comparisons: Sequence[dict] = (), figures: Sequence[Path] = ()) -> str:
+    """The settings, then one section per chain length: the table, tau per category, the paired
+    comparison; then the figures."""
+    from eagle3 import judging
     s = settings
     lines = [f"# Drafter evaluation ({s.get('backend')}, target {s.get('target')})", "",
-             f"greedy, chain of {s.get('num_steps')} draft tokens (topk {s.get('topk')}, "
-             f"{s.get('num_draft_tokens')} draft tokens per verify), max {s.get('max_new_tokens')} new tokens, "
-             f"{s.get('num_prompts')} prompts per set, batch 1. tau = tokens per target verify step "
-             f"incl. the bonus token ({rows[0]['tau_rule'] if rows else ''} rule).", ""]
+             f"greedy, topk {s.get('topk')}, max {s.get('max_new_tokens')} new tokens, batch 1, prompts: "
+             + ", ".join(f"{p} {n}" for p, n in dict.fromkeys((r["prompts"], r.get("num_prompts")) for r in rows))
+             + ". tau = tokens per target verify step "
+             f"incl. the bonus token ({rows[0]['tau_rule'] if rows else ''} rule); [a, b] = 95% bootstrap "
+             f"interval over prompts.", ""]
     prod = " | production baseline tok/s" if production_baseline_tok_s else ""
-    lines.append("| drafter | prompts | tau | accept per position | drafts | accepted | tok/s | "
-                 f"baseline tok/s{prod} | speedup | mismatches |")
-    lines.append("|" + "---|" * (10 + bool(production_baseline_tok_s)))
-    for r in rows:
-        acc = " / ".join(f"{a:.3f}" for a in r["accept_per_position"])
-        prod = f" | {production_baseline_tok_s:g}" if production_baseline_tok_s else ""
-        mism = ", ".join(f"{m['prompt_id']}@{m['first_diff']}" for m in r["mismatches"]) or "0"
-        lines.append(f"| {r['drafter']} | {r['prompts']} | {_f(r['tau'])} | {acc} | {r['num_drafts']} | "
-                     f"{r['num_accepted']} | {_f(r['tok_s'], '{:.1f}')} | {_f(r['baseline_tok_s'], '{:.1f}')}"
-                     f"{prod} | {_f(r['speedup'])}x | {mism} |")
-    return "\n".join(lines) + "\n"
+    by_key = {(r["drafter"], r["prompts"], r["num_steps"]): r for r in rows}
+    for steps in dict.fromkeys(r["num_steps"] for r in rows):
+        lines += [f"## Chain of {steps} draft tokens (tau at most {steps + 1})", "",
+                  "| drafter | prompts | tau | accept per position | drafts | accepted | tok/s | "
+                  f"baseline tok/s{prod} | speedup | mismatches |",
+                  "|" + "---|" * (10 + bool(production_baseline_tok_s))]
+        for r in rows:
+            if r["num_steps"] != steps:
+                continue
+            acc = " / ".join(f"{a:.3f}" for a in r["accept_per_position"])
+            prod = f" | {production_baseline_tok_s:g}" if production_baseline_tok_s else ""
+            mism = ", ".join(f"{m['prompt_id']}@{m['first_diff']}" for m in r["mismatches"]) or "0"
+            tau = _f(r["tau"]) + (f" [{r['tau_ci95'][0]:.2f}, {r['tau_ci95'][1]:.2f}]" if r.get("tau_ci95") else "")
+            lines.append(f"| {r['drafter']} | {r['prompts']} | {tau} | {acc} | {r['num_drafts']} | "
+                         f"{r['num_accepted']} | {_f(r['tok_s'], '{:.1f}')} | {_f(r['baseline_tok_s'], '{:.1f}')}"
+                         f"{prod} | {_f(r['speedup'])}x | {mism} |")
+        lines.append("")
+        lines += judging.category_table(by_key, steps) + judging.comparison_table(comparisons, steps)
+    if figures:
+        lines += ["Figures: " + ", ".join(f"[{Path(p).name}]({Path(p).name})" for p in figures), ""]
+    return "\n".join(lines)
 
 
-def _labels(rows):
-    drafters = list(dict.fromkeys(r["drafter"] for r in rows))
-    sets = list(dict.fromkeys(r["prompts"] for r in rows))
-    return drafters, sets
-
-
-def plot_tau(rows: Sequence[dict], out: Path, settings: dict) -> Path:
-    """Grouped bars: tau per prompt set (groups) and drafter (bars), values written on the bars."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    drafters, sets = _labels(rows)
-    width = 0.8 / max(len(drafters), 1)
-    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(sets) * max(len(drafters), 1) + 2), 4.5))
-    for di, d in enumerate(drafters):
-        xs, ys = [], []
-        for si, p in enumerate(sets):
-            r = next((r for r in rows if r["drafter"] == d and r["prompts"] == p), None)
-            if r is not None and r["tau"] is not None:
-                xs.append(si + (di - (len(drafters) - 1) / 2) * width)
-                ys.append(r["tau"])
-        bars = ax.bar(xs, ys, width * 0.95, label=d)
-        ax.bar_label(bars, fmt="%.2f", fontsize=8)
-    k = settings.get("num_steps") or 0
-    ax.axhline(1.0, color="gray", lw=0.8, ls="--")
-    ax.set_xticks(range(len(sets)), sets)
-    ax.set_ylim(0, max(k + 1, max([r["tau"] or 0 for r in rows], default=1)) * 1.1)
-    ax.set(title=f"Acceptance length tau ({settings.get('backend')}, {k} draft tokens, max {k + 1})",
-           xlabel="prompt set", ylabel="tau: tokens per target verify step")
-    return _save(fig, ax, out)
-
-
-def _save(fig, ax, out: Path) -> Path:
-    import matplotlib.pyplot as plt
-    ax.legend(fontsize=8)
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return Path(out)
-
-
-def plot_acceptance(rows: Sequence[dict], out: Path, settings: dict) -> Path:
-    """Acceptance rate at each draft position, one bar series per drafter x prompt set."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    k = max((len(r["accept_per_position"]) for r in rows), default=1)
-    width = 0.8 / max(len(rows), 1)
-    fig, ax = plt.subplots(figsize=(min(12, max(6, 0.9 * k * max(len(rows), 1) + 2)), 4.5))
-    for ri, r in enumerate(rows):
-        xs = [j + 1 + (ri - (len(rows) - 1) / 2) * width for j in range(len(r["accept_per_position"]))]
-        bars = ax.bar(xs, r["accept_per_position"], width * 0.95, label=f"{r['drafter']} / {r['prompts']}")
-        ax.bar_label(bars, fmt="%.3f", fontsize=7)
-    ax.set_xticks(range(1, k + 1), [str(j) for j in range(1, k + 1)])
-    ax.set_ylim(0, 1.08)
-    ax.set(title=f"Acceptance per draft position ({settings.get('backend')}): accepted / verify steps",
-           xlabel="draft position in the chain", ylabel="acceptance rate")
-    return _save(fig, ax, out)
+def per_prompt_records(base: Dict[str, List[DecodeStats]], spec: Dict[tuple, List[DecodeStats]],
+                       tau_rule: str) -> List[dict]:
+    """per_prompt.jsonl: one record per prompt of the baseline (num_steps 0) and of every drafter x
+    prompt set x chain (spec keys), with the prompt's id and category and the engine's counters."""
+    items = [(("baseline", p, 0), st) for p, st in base.items()] + list(spec.items())
+    return [{"drafter": d, "prompts": p, "num_steps": k, "tau_rule": tau_rule, **r}
+            for (d, p, k), st in items for r in stats_to_json(st)]
 
 
 def stats_to_json(stats: Sequence[DecodeStats]) -> List[dict]:

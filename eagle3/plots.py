@@ -1,4 +1,6 @@
-"""Training curves from metrics.jsonl: one run at the end of training, or several overlaid.
+"""Every plot the project draws: training curves from metrics.jsonl (one run at the end of
+training, or several overlaid) and the evaluation figures of report.md (tau, acceptance per
+position, tau per MT-Bench category, paired per-prompt differences).
 
     python -m eagle3.plots runs/a runs/b [--out compare.png]
 """
@@ -13,6 +15,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 
 def read_metrics(run_dir: Path) -> List[dict]:
@@ -98,6 +101,150 @@ def plot_runs(run_dirs: Sequence[Path], out: Path, labels: Sequence[str] | None 
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Evaluation figures. rows: report.json's results (drafter, prompts, num_steps, tau, tau_ci95,
+# accept_per_position, per_category); comparisons: report.json's comparisons.
+
+def _chains(rows: Sequence[dict]) -> List[int]:
+    return list(dict.fromkeys(r.get("num_steps") for r in rows))
+
+
+def _panels(items: Sequence[dict]) -> List[tuple]:
+    """(prompt set, chain) pairs in order of appearance: one panel each."""
+    return list(dict.fromkeys((r["prompts"], r.get("num_steps")) for r in items))
+
+
+def _yerr(values: Sequence[float], cis: Sequence) -> List[List[float]]:
+    return [[v - c[0] if c else 0 for v, c in zip(values, cis)], [c[1] - v if c else 0 for v, c in zip(values, cis)]]
+
+
+def _finish(fig, axes, out: Path, legend: bool = True) -> Path:
+    for ax in axes:
+        if legend:
+            ax.legend(fontsize=8)
+        ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return Path(out)
+
+
+def plot_tau(rows: Sequence[dict], out: Path, settings: dict) -> Path:
+    """Grouped bars: tau per prompt set and chain length (groups) and drafter (bars), with the 95%
+    bootstrap interval over prompts as error bars and the value written on each bar."""
+    drafters = list(dict.fromkeys(r["drafter"] for r in rows))
+    groups = _panels(rows)
+    several = len(_chains(rows)) > 1
+    width = 0.8 / max(len(drafters), 1)
+    fig, ax = plt.subplots(figsize=(min(16, max(6, 0.9 * len(groups) * max(len(drafters), 1) + 2)), 4.5))
+    for di, d in enumerate(drafters):
+        xs, ys, cis = [], [], []
+        for gi, g in enumerate(groups):
+            r = next((r for r in rows if r["drafter"] == d and (r["prompts"], r.get("num_steps")) == g), None)
+            if r is not None and r["tau"] is not None:
+                xs.append(gi + (di - (len(drafters) - 1) / 2) * width)
+                ys.append(r["tau"])
+                cis.append(r.get("tau_ci95"))
+        bars = ax.bar(xs, ys, width * 0.95, yerr=_yerr(ys, cis), capsize=3, label=d)
+        ax.bar_label(bars, fmt="%.2f", fontsize=8, padding=2)
+    k = max([g[1] or 0 for g in groups], default=0)
+    ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+    ax.set_xticks(range(len(groups)), [f"{p}\nchain {s}" if several else p for p, s in groups])
+    ax.set_ylim(0, max(k + 1, max([r["tau"] or 0 for r in rows], default=1)) * 1.1)
+    chain = "chains " + ", ".join(str(c) for c in _chains(rows)) if several else f"{k} draft tokens, max {k + 1}"
+    ax.set(title=f"Acceptance length tau ({settings.get('backend')}, {chain}); bars: 95% bootstrap interval",
+           xlabel="prompt set", ylabel="tau (tokens per target verify step)")
+    return _finish(fig, [ax], out)
+
+
+def plot_acceptance(rows: Sequence[dict], out: Path, settings: dict) -> Path:
+    """Acceptance rate at each draft position: one panel per chain length, one line per drafter
+    (color) and prompt set (line style), the rate written at each point when few lines share a panel."""
+    chains = _chains(rows)
+    drafters = list(dict.fromkeys(r["drafter"] for r in rows))
+    sets = list(dict.fromkeys(r["prompts"] for r in rows))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    styles = ["-o", "--s", ":^", "-.D"]
+    fig, axes = plt.subplots(1, len(chains), figsize=(min(16, 2 + 5.5 * len(chains)), 4.5), squeeze=False)
+    for ax, steps in zip(axes[0], chains):
+        mine = [r for r in rows if r.get("num_steps") == steps]
+        for r in mine:
+            acc = r["accept_per_position"]
+            xs = range(1, len(acc) + 1)
+            ax.plot(xs, acc, styles[sets.index(r["prompts"]) % len(styles)], ms=5,
+                    color=colors[drafters.index(r["drafter"]) % len(colors)],
+                    label=f"{r['drafter']} / {r['prompts']}")
+            if len(mine) <= 3:
+                for x, a in zip(xs, acc):
+                    ax.annotate(f"{a:.2f}", (x, a), textcoords="offset points", xytext=(0, 5), ha="center", fontsize=7)
+        k = max((len(r["accept_per_position"]) for r in mine), default=1)
+        ax.set_xticks(range(1, k + 1))
+        ax.set_ylim(0, 1.05)
+        ax.set(title=f"Acceptance per draft position, chain of {steps} ({settings.get('backend')})",
+               xlabel="draft position in the chain",
+               ylabel="acceptance rate (accepted / verify steps)")
+    return _finish(fig, axes[0], out)
+
+
+def plot_categories(rows: Sequence[dict], out: Path) -> Path | None:
+    """One panel per prompt set and chain that has categories: grouped bars of tau per category
+    (groups) and drafter (bars), 95% bootstrap intervals over the category's prompts as error bars."""
+    rows = [r for r in rows if r.get("per_category")]
+    panels = _panels(rows)
+    if not panels:
+        return None
+    fig, axes = plt.subplots(len(panels), 1, figsize=(12, 4.2 * len(panels)), squeeze=False)
+    for ax, (prompts, steps) in zip(axes[:, 0], panels):
+        mine = [r for r in rows if (r["prompts"], r.get("num_steps")) == (prompts, steps)]
+        cats = list(dict.fromkeys(c for r in mine for c in r["per_category"]))
+        width = 0.8 / len(mine)
+        for ri, r in enumerate(mine):
+            pc = [r["per_category"].get(c) for c in cats]
+            xs = [ci + (ri - (len(mine) - 1) / 2) * width for ci, p in enumerate(pc) if p and p["tau"] is not None]
+            got = [p for p in pc if p and p["tau"] is not None]
+            ys = [p["tau"] for p in got]
+            bars = ax.bar(xs, ys, width * 0.95, yerr=_yerr(ys, [p["tau_ci95"] for p in got]), capsize=3,
+                          label=f"{r['drafter']} (all: {r['tau']:.2f})" if r["tau"] is not None else r["drafter"])
+            if len(mine) * len(cats) <= 40:
+                ax.bar_label(bars, fmt="%.2f", fontsize=7, label_type="center")
+        n = {c: max(r["per_category"][c]["num_prompts"] for r in mine if c in r["per_category"]) for c in cats}
+        ax.set_xticks(range(len(cats)), [f"{c}\n(n={n[c]})" for c in cats])
+        ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+        if steps:
+            ax.set_ylim(0, steps + 1.3)            # tau is at most steps + 1
+        ax.set(title=f"tau per MT-Bench category: {prompts}, chain of {steps}; bars: 95% bootstrap interval",
+               xlabel="MT-Bench category (n = prompts)", ylabel="tau (tokens per target verify step)")
+    return _finish(fig, axes[:, 0], out)
+
+
+def plot_paired(comparisons: Sequence[dict], out: Path) -> Path | None:
+    """One panel per prompt set and chain: each drafter's per-prompt tau minus the reference's on
+    the same prompt, sorted (dots), with the mean (line) and its 95% paired bootstrap interval (band)."""
+    panels = _panels(comparisons)
+    if not panels:
+        return None
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(10, 4.2 * len(panels)), squeeze=False)
+    for ax, (prompts, steps) in zip(axes[:, 0], panels):
+        mine = [c for c in comparisons if (c["prompts"], c["num_steps"]) == (prompts, steps)]
+        for ci, c in enumerate(mine):
+            col = colors[ci % len(colors)]
+            d = sorted(c["per_prompt_diff"])
+            ax.plot(range(1, len(d) + 1), d, "o", ms=4, color=col,
+                    label=f"{c['drafter']}: {c['wins']} wins / {c['losses']} losses / {c['ties']} ties")
+            if c["mean_diff"] is not None:
+                ax.axhline(c["mean_diff"], color=col, lw=1.2,
+                           label=f"{c['drafter']}: mean {c['mean_diff']:+.3f}")
+            if c["mean_diff_ci95"]:
+                lo, hi = c["mean_diff_ci95"]
+                ax.axhspan(lo, hi, color=col, alpha=0.15, label=f"{c['drafter']}: 95% interval [{lo:+.3f}, {hi:+.3f}]")
+        ax.axhline(0.0, color="black", lw=0.8, ls="--")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set(title=f"Per-prompt tau minus {mine[0]['reference']}'s on the same prompt: {prompts}, chain of {steps}",
+               xlabel="prompt, sorted by difference", ylabel="tau difference (tokens per verify step)")
+    return _finish(fig, axes[:, 0], out)
 
 
 def main(argv=None):

@@ -24,6 +24,15 @@ def test_mt_bench_first_and_both_turns():
     assert [p.id for p in one] == [str(r["question_id"]) for r in raw[:5]]
     assert one[0].messages == [{"role": "user", "content": raw[0]["turns"][0]}] and one[0].followups == []
     assert len(two) == 80 and two[3].followups == raw[3]["turns"][1:]
+    assert [p.category for p in two] == [r["category"] for r in raw]
+    cats = [p.category for p in ev.load_prompts("mt_bench", 0)]
+    assert {c: cats.count(c) for c in cats} == {c: 10 for c in ("writing", "roleplay", "reasoning", "math", "coding",
+                                                                "extraction", "stem", "humanities")}
+
+
+def test_all_prompts_is_the_default():
+    from eagle3.config import EvalConfig
+    assert EvalConfig().num_prompts == 0 and EvalConfig().chains == []
 
 
 def test_jsonl_prompt_shapes(tmp_path):
@@ -205,16 +214,27 @@ def test_report_files(tmp_path):
             rows.append({"drafter": d, "drafter_path": "/x", "prompts": p, "tau": tau, "tau_rule": "vllm",
                          "accept_per_position": [0.6, 0.3, 0.2] if tau > 1 else [0.0, 0.0, 0.0],
                          "num_drafts": 10, "num_accepted": 11, "tok_s": 20.0, "baseline_tok_s": 14.0,
-                         "speedup": 20 / 14, "mismatches": []})
+                         "speedup": 20 / 14, "mismatches": [], "tau_ci95": [tau - 0.1, tau + 0.05],
+                         "per_category": {"writing": {"tau": tau, "tau_ci95": [tau - 0.2, tau + 0.1], "num_prompts": 3}}
+                         if p == "mt_bench" else {}})
     settings = {"backend": "vllm", "target": "smollm2", "num_steps": 3, "topk": 1, "num_draft_tokens": 4,
                 "max_new_tokens": 64, "num_prompts": 5}
-    paths = ev.write_report(tmp_path, rows, settings, {"vllm": "0.32.0"}, production_baseline_tok_s=90)
+    comparisons = [{"prompts": "mt_bench", "num_steps": 3, "reference": "trained", "drafter": "untrained",
+                    "reference_tau": 2.1, "tau": 1.0, "num_prompts": 3, "num_paired": 3, "wins": 0, "losses": 3,
+                    "ties": 0, "sign_test_p": 0.25, "mean_diff": -1.1, "mean_diff_ci95": [-1.3, -0.9], "tau_ratio": 1 / 2.1,
+                    "tau_ratio_ci95": [0.4, 0.55], "per_prompt_diff": [-1.3, -1.1, -0.9], "prompt_ids": ["1", "2", "3"]}]
+    paths = ev.write_report(tmp_path, rows, settings, {"vllm": "0.32.0"}, production_baseline_tok_s=90,
+                            comparisons=comparisons)
     rep = json.loads(paths["json"].read_text())
     assert rep["results"][0]["tau"] == 2.1 and rep["production_baseline_tok_s"] == 90
+    assert rep["results"][0]["num_steps"] == 3 and rep["comparisons"] == comparisons
     md = paths["md"].read_text()
-    assert "| trained | mt_bench | 2.10 | 0.600 / 0.300 / 0.200 |" in md and "| 90 |" in md
-    for k in ("tau_png", "accept_png"):
+    assert "| trained | mt_bench | 2.10 [2.00, 2.15] | 0.600 / 0.300 / 0.200 |" in md and "| 90 |" in md
+    assert "## Chain of 3 draft tokens" in md and "| trained | mt_bench | 2.10 [1.90, 2.20] (n=3) |" in md
+    assert "| untrained | trained | mt_bench | 1.00 vs 2.10 | 0 / 3 / 0 | 0.25 | -1.100 [-1.300, -0.900] |" in md
+    for k in ("tau_png", "accept_png", "categories_png", "paired_png"):
         assert paths[k].read_bytes()[:4] == b"\x89PNG" and paths[k].stat().st_size > 10_000
+        assert f"({paths[k].name})" in md
 
 
 # ---------------------------------------------------------------------------------------------
@@ -242,22 +262,37 @@ def test_evaluate_hf_end_to_end(tmp_path):
     out = tmp_path / "eval"
     r = subprocess.run([sys.executable, "evaluate.py", "+experiment=tiny", f"run_dir={tmp_path}/r",
                         f"eval.drafters=[{tmp_path}/run_a,{tmp_path}/run_a/export/vllm]",
-                        "eval.prompts=[mt_bench,mt_bench_2turn]", "eval.num_prompts=2",
+                        "eval.prompts=[mt_bench,mt_bench_2turn]", "eval.num_prompts=2", "eval.chains=[3,1]",
+                        f"eval.reference={tmp_path}/run_a/export/vllm",     # the second drafter, by its path
                         "eval.max_new_tokens=12", f"eval.out_dir={out}"],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     rep = json.loads((out / "report.json").read_text())
-    assert [(x["drafter"], x["prompts"]) for x in rep["results"]] == [
-        ("run_a", "mt_bench"), ("run_a", "mt_bench_2turn"), ("run_a'", "mt_bench"), ("run_a'", "mt_bench_2turn")]
+    assert [(x["num_steps"], x["drafter"], x["prompts"]) for x in rep["results"]] == [
+        (k, d, p) for k in (3, 1) for d in ("run_a", "run_a'") for p in ("mt_bench", "mt_bench_2turn")]
     for x in rep["results"]:
-        assert x["mismatches"] == [] and x["num_drafts"] > 0 and 1.0 <= x["tau"] <= 4.0
-        assert x["aux_layers"] == aux and x["baseline_tok_s"] > 0
-    # the same drafter reached two ways decodes identically
+        assert x["mismatches"] == [] and x["num_drafts"] > 0 and 1.0 <= x["tau"] <= x["num_steps"] + 1
+        assert x["aux_layers"] == aux and x["baseline_tok_s"] > 0 and len(x["accept_per_position"]) == x["num_steps"]
+        lo, hi = x["tau_ci95"]
+        assert lo <= x["tau"] <= hi and x["per_category"]["writing"]["num_prompts"] == 2
+    assert rep["settings"]["chains"] == [3, 1] and rep["settings"]["reference"] == "run_a'"
+    # the same drafter reached two ways decodes identically: every prompt a tie, a zero difference
     assert rep["results"][0]["num_accepted"] == rep["results"][2]["num_accepted"]
+    assert [(c["num_steps"], c["prompts"], c["reference"], c["drafter"]) for c in rep["comparisons"]] == [
+        (k, p, "run_a'", "run_a") for k in (3, 1) for p in ("mt_bench", "mt_bench_2turn")]
+    for c in rep["comparisons"]:
+        assert (c["ties"], c["mean_diff_ci95"], c["tau_ratio"]) == (2, [0.0, 0.0], 1.0)
     lines = [json.loads(l) for l in (out / "per_prompt.jsonl").read_text().splitlines()]
     two = [l for l in lines if l["prompts"] == "mt_bench_2turn"]
     assert two and all(len(l["output_ids"]) == 2 for l in two)
-    assert (out / "tau.png").exists() and (out / "acceptance.png").exists()
+    assert {(l["prompt_id"], l["category"]) for l in lines} == {("81", "writing"), ("82", "writing")}
+    assert sorted({(l["drafter"], l["num_steps"]) for l in lines}) == [
+        ("baseline", 0), ("run_a", 1), ("run_a", 3), ("run_a'", 1), ("run_a'", 3)]
+    md = (out / "report.md").read_text()
+    assert md.index("## Chain of 3 draft tokens") < md.index("## Chain of 1 draft tokens")
+    assert md.count("tau per MT-Bench category") == 2 and md.count("Paired against the reference") == 2
+    for png in ("tau.png", "acceptance.png", "categories.png", "paired.png"):
+        assert (out / png).exists() and f"({png})" in md
 
 
 def test_evaluate_refuses_a_misfit_before_starting(tmp_path):
