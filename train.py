@@ -30,6 +30,7 @@ from eagle3.data import is_heldout
 from eagle3.export_run import write_export
 from eagle3.features import Batch, FeatureDataset, check_compatible, collate, template_sha256
 from eagle3.loss import TTTOutput, step_counts, target_teacher, unigram_correct
+from eagle3.losses import check_loss
 from eagle3.model import Eagle3Drafter, drafter_shape
 from eagle3.optim import adamw, clip_grad_norm
 from eagle3.plots import plot_runs
@@ -74,6 +75,7 @@ def batch_indices(step: int, n: int, batch_size: int, seed: int,
 @hydra.main(config_path="conf", config_name="train", version_base=None)
 def main(cfg) -> None:
     c = config_schema.to_config(cfg)
+    check_loss(c.train.loss)
     run_dir = Path(c.run_dir)
     acc = make_accelerator(c)
     device, rank, world, is_main = acc.device, acc.process_index, acc.num_processes, acc.is_main_process
@@ -110,7 +112,7 @@ def main(cfg) -> None:
     # DeepSpeed casts the model and keeps fp32 partitions itself (bf16_params: see build_drafter)
     drafter, shape, lm_head = build_drafter(c, target, vocab, bf16_params=acc.mixed_precision == "bf16" and not use_ds)
     lm_head, vocab = lm_head.to(device, compute_dtype), vocab.to(device)
-    model = Objective(drafter, vocab, c.train.ttt_steps, c.train.step_decay)
+    model = Objective(drafter, vocab, c.train.ttt_steps, c.train.step_decay, c.train.loss)
     if use_ds and c.dist.zero_stage == 3:
         gather_outside_forward(model, drafter)
     trainable = [p for p in drafter.parameters() if p.requires_grad]
@@ -273,7 +275,7 @@ def offline_data(c, target) -> Data:
 
 def online_data(c, target, device, dtype) -> Data:
     """The target itself, in this process: features are computed per batch and nothing touches disk."""
-    from capture.online import OnlineSource
+    from eagle3.online import OnlineSource
 
     src = OnlineSource(target.dir, c.target, c.data, c.capture, target.aux_layers, device, dtype)
     n_train = len(src.train)

@@ -28,8 +28,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from capture.hf import (capture_hidden, decoder_parts, hf_meta, pad_right, padded_tokens, run_capture, shard_batches,
-                        to_host)
+from capture.hf import hf_meta, padded_tokens, run_capture, shard_batches, to_host
+from eagle3.hidden import capture_hidden, decoder_parts, pad_right
 from eagle3.features import FeatureDataset, plan_shards
 
 

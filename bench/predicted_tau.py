@@ -3,7 +3,7 @@
 For each prompt of an evaluation set: the exported drafter drafts for the target through
 eagle3.specdec.spec_decode (our reference engine: greedy chain drafting, the engines' counting) and
 that gives the served tau; then the target's answer is captured the way training captures it
-(capture.hf.capture_batch) and read by the same drafter through eagle3.loss.ttt_loss, whose chain
+(eagle3.hidden.capture_batch) and read by the same drafter through eagle3.loss.ttt_loss, whose chain
 acceptance (`accepted` / `chained`) gives the training-side estimate 1 + sum_s accept[s]. Both are
 printed per draft position, on the same prompts and the same answer tokens.
 
@@ -23,8 +23,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from capture.hf import capture_batch  # noqa: E402
-from eagle3.evaluation import load_prompts, render, stop_token_ids  # noqa: E402
+from eagle3.chat import render_prompt, stop_ids  # noqa: E402
+from eagle3.evaluation import load_prompts  # noqa: E402
+from eagle3.hidden import capture_batch  # noqa: E402
 from eagle3.export import find_export, load_export  # noqa: E402
 from eagle3.loss import ttt_loss  # noqa: E402
 from eagle3.specdec import load_hf_drafter, spec_decode  # noqa: E402
@@ -47,7 +48,7 @@ def main() -> None:
     target_dir = resolve_target("gguf", "", "smollm2", "llama", {}, 0)
     model = load_target_model(target_dir, torch.float32, "cpu")
     tok = load_tokenizer(target_dir)
-    stop = stop_token_ids(tok, target_dir)
+    stop = stop_ids(tok, target_dir)
     aux_layers = default_aux_layers(model.config.num_hidden_layers)
     edir = find_export(args.drafter, "vllm")
     tensors, _ = load_export(edir)
@@ -63,7 +64,7 @@ def main() -> None:
     t0 = time.time()
     prompts = load_prompts(args.prompts, args.num_prompts, heldout_fraction=args.heldout_fraction)
     for n, p in enumerate(prompts, 1):
-        ids = render(tok, p.messages)
+        ids = render_prompt(tok, p.messages)
         out, counts, _ = spec_decode(model, drafter, ids, aux_layers, S, args.max_new_tokens, stop)
         served += torch.tensor(counts.accepted_per_pos, dtype=torch.float32)
         verifies += counts.num_drafts

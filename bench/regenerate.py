@@ -17,7 +17,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from capture import fastgen  # noqa: E402
-from capture.regenerate import cut_at_stop, end_of_turn_ids, prompt_ids  # noqa: E402
+from capture.regenerate import cut_at_stop  # noqa: E402
+from eagle3.chat import render_prompt, stop_ids  # noqa: E402
 from eagle3.data import iter_conversations  # noqa: E402
 from eagle3.targets import load_target_model, load_tokenizer, resolve_target  # noqa: E402
 
@@ -36,13 +37,13 @@ def main() -> None:
                            "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2}, 0))
     tok = load_tokenizer(tdir)
     model = load_target_model(tdir, dtype, device)
-    stop = end_of_turn_ids(tok)
+    stop = stop_ids(tok)
     prompts = []
     for _, msgs in iter_conversations("sharegpt"):
         users = [m for m in msgs or [] if isinstance(m, dict) and m.get("role") == "user"
                  and isinstance(m.get("content"), str) and 0 < len(m["content"]) < 1500]
         if users:
-            prompts.append(prompt_ids(tok, users[:1]))
+            prompts.append(render_prompt(tok, users[:1]))
         if len(prompts) == args.prompts:
             break
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))

@@ -20,13 +20,15 @@ class Objective(torch.nn.Module):
     """The drafter and its TTT loss as one forward, so DDP and DeepSpeed wrappers see a forward call.
     The target's lm_head [V, Ht] is an argument, not a parameter: frozen, never saved."""
 
-    def __init__(self, drafter: Eagle3Drafter, vocab: DraftVocab, ttt_steps: int, decay: float):
+    def __init__(self, drafter: Eagle3Drafter, vocab: DraftVocab, ttt_steps: int, decay: float,
+                 loss: str = "soft_ce"):
         super().__init__()
-        self.drafter, self.vocab, self.ttt_steps, self.decay = drafter, vocab, ttt_steps, decay
+        self.drafter, self.vocab, self.ttt_steps, self.decay, self.loss = drafter, vocab, ttt_steps, decay, loss
 
     def forward(self, input_ids, loss_mask, attention_mask, aux, final, lm_head, teacher=None, norm=None):
         out = ttt_loss(self.drafter, input_ids, loss_mask, attention_mask, aux, final, lm_head, self.vocab,
-                       ttt_steps=self.ttt_steps, decay=self.decay, teacher=teacher, norm=norm)
+                       ttt_steps=self.ttt_steps, decay=self.decay, teacher=teacher, norm=norm,
+                       loss=self.loss)
         # a plain tuple: ZeRO-3's backward hooks find tensors only in tuples, lists and dicts
         return out.loss, out.per_step_loss, out.correct, out.count, out.accepted, out.chained
 

@@ -151,6 +151,25 @@ def test_typo_fails_at_startup():
     assert p.returncode != 0 and "stpes" in p.stderr
 
 
+def test_train_loss_reaches_the_objective(tiny_run, tmp_path):
+    """train.loss=kl differs from soft_ce only by the teacher's entropy, a constant: the same
+    accuracies step for step, a lower loss; tv is 1 - acceptance per step, so within [0, sum of step
+    weights]; an unknown name stops at start-up and lists the choices."""
+    runs = {}
+    for name in ("soft_ce", "kl", "tv"):
+        run_train("+experiment=tiny", f"run_dir={tmp_path}/{name}", f"data.features_dir={tiny_run}/features",
+                  "train.steps=3", "train.log_every=1", "train.eval_every=100", f"train.loss={name}")
+        runs[name] = [r for r in metrics(tmp_path / name) if r["split"] == "train"]
+    for ce, kl in zip(runs["soft_ce"], runs["kl"]):
+        assert kl["acc"] == pytest.approx(ce["acc"], abs=1e-6)
+        assert 0 <= kl["loss"] < ce["loss"]
+    assert [r["loss"] for r in runs["tv"]] != pytest.approx([r["loss"] for r in runs["soft_ce"]])
+    assert all(0 <= r["loss"] <= sum(0.8 ** s for s in range(len(r["acc"]))) for r in runs["tv"])
+    p = run_train("+experiment=tiny", f"run_dir={tmp_path}/bad", f"data.features_dir={tiny_run}/features",
+                  "train.loss=lkk", check=False)
+    assert p.returncode != 0 and "lkk" in p.stderr and "soft_ce" in p.stderr
+
+
 @pytest.mark.parametrize("dist", ["zero2", "zero3"])
 def test_deepspeed_world_of_one_matches_the_plain_loop(tiny_run, tmp_path, dist):
     """dist=zero2/zero3 at world size 1 on the CPU composes, starts and trains to the plain process's
