@@ -1,8 +1,7 @@
 """Greedy decoding of Llama-architecture targets with a static KV cache, one step replayed as a CUDA graph.
 
-transformers' `generate` costs about 75 ms per step for SmolLM2-135M on the H200 at any batch size
-(ENGINES.md): the time is Python, not the GPU. Regenerating every ShareGPT turn (~60k prompts x 256
-tokens) that way takes most of an hour. Here the prompt goes through the model's own forward
+transformers' `generate` spends each step of a small target in Python, not on the GPU, whatever the
+batch size (docs/perf.md compares the two: `bench/regenerate.py`). Here the prompt goes through the model's own forward
 (prefill, in row groups that fit in memory) and its keys/values are copied into a static cache of
 prompt + max_new_tokens slots; one decode step (embedding, every layer, final norm, lm_head,
 argmax) is captured once per batch shape as a CUDA graph and replayed. On CPU the same step runs
