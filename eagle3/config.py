@@ -110,7 +110,7 @@ class CaptureConfig:
     dtype: str = "bfloat16"                   # feature storage dtype
     aux_dtype: str = ""                       # aux storage when different: float8_e4m3fn (row-scaled, 37.5% fewer bytes)
     device: str = "auto"
-    regenerate: bool = False                  # answer the prompts with the target first (on-policy data)
+    regenerate: bool = False                  # train on the target's own answers (capture.regenerate_only=true writes them first)
     regen_max_new_tokens: int = 256
     regenerate_only: bool = False             # python -m capture: write the answers (JSONL cache), no features
     regen_batch_size: int = 16                # prompts per batch (GPU: thousands; capped by free memory)

@@ -71,8 +71,8 @@ def test_kimi_dims_builds_the_kimi_drafter_at_its_real_size():
 
 
 def test_smollm2_peer_is_specforges_recipe():
-    """ENGINES.md's peer run: first 8,000 ShareGPT first turns under 1,500 characters, SmolLM2's own
-    answers (256 new tokens), seq 512, draft vocab 16,384, TTT 7, AdamW 1e-4 cosine, clip 0.5,
+    """SpecForge's peer run (docs/results.md): first 8,000 ShareGPT first turns under 1,500
+    characters, SmolLM2's own answers (256 new tokens), seq 512, draft vocab 16,384, TTT 7, AdamW 1e-4 cosine, clip 0.5,
     2 epochs of 16; judged on 20 MT-Bench first turns, 128 new tokens, 3 draft tokens."""
     c = schema.to_config(_compose("train", ["+experiment=smollm2_peer"]))
     assert (c.data.source, c.data.num_samples, c.data.turns, c.data.max_prompt_chars, c.data.max_length) == (
