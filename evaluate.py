@@ -33,10 +33,11 @@ register()
 Generate = Callable[[List[int]], Tuple[List[int], float, dict]]
 
 
-def decode_prompts(prompts: List[ev.Prompt], tokenizer, generate: Generate) -> List[ev.DecodeStats]:
+def decode_prompts(prompts: List[ev.Prompt], tokenizer, generate: Generate, label: str) -> List[ev.DecodeStats]:
     """Every turn of every prompt; later turns follow the model's own previous answer."""
+    from tqdm import tqdm
     out = []
-    for p in prompts:
+    for p in tqdm(prompts, desc=f"[eval] {label}", unit="prompt", file=sys.stderr, dynamic_ncols=True):
         st = ev.DecodeStats(p.id, [], 0.0, category=p.category)
         messages = list(p.messages)
         for turn, followup in enumerate([None] + list(p.followups)):
@@ -76,8 +77,8 @@ def run_hf(e, target_dir, dtype_name, drafters, prompt_sets, tokenizer, stop, ch
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = _torch_dtype(dtype_name, device)
     model = load_target_model(target_dir, dtype, device)
-    base = {name: decode_prompts(ps, tokenizer, lambda ids: (*greedy_decode(model, ids, e.max_new_tokens, stop), {}))
-            for name, ps in prompt_sets.items()}
+    base = {name: decode_prompts(ps, tokenizer, lambda ids: (*greedy_decode(model, ids, e.max_new_tokens, stop), {}),
+                                 f"baseline / {name}") for name, ps in prompt_sets.items()}
     spec = {}
     for d in drafters:
         chain = load_hf_drafter(d["export"], model, device, dtype)
@@ -87,7 +88,7 @@ def run_hf(e, target_dir, dtype_name, drafters, prompt_sets, tokenizer, stop, ch
                 return toks, secs, {"drafts": c.num_drafts, "draft_tokens": c.num_draft_tokens,
                                     "accepted": c.num_accepted, "per_pos": c.accepted_per_pos}
             for name, ps in prompt_sets.items():
-                spec[(d["name"], name, k)] = decode_prompts(ps, tokenizer, gen)
+                spec[(d["name"], name, k)] = decode_prompts(ps, tokenizer, gen, f"{d['name']} / {name} / chain {k}")
     versions = {"torch": torch.__version__, "transformers": transformers.__version__,
                 "device": device, "dtype": str(dtype).replace("torch.", "")}
     return base, spec, versions
@@ -118,7 +119,7 @@ def run_vllm(e, target_dir, max_model_len, drafters, prompt_sets, tokenizer, sto
             secs = time.perf_counter() - t0
             c = ev.vllm_delta(before, ev.vllm_counters(llm.get_metrics()))
             return list(res[0].outputs[0].token_ids), secs, c
-        return {name: decode_prompts(ps, tokenizer, gen) for name, ps in prompt_sets.items()}
+        return {name: decode_prompts(ps, tokenizer, gen, name) for name, ps in prompt_sets.items()}
 
     def with_llm(drafter=None, **kw):
         llm = LLM(**common, **kw)
@@ -194,7 +195,7 @@ def decode_sglang(url, prompt_sets, tokenizer, stop, e) -> Dict[str, List[ev.Dec
         c = ev.sglang_counters(resp, e.num_steps)
         c["engine_tokens"] = c["completion_tokens"]
         return c["output_ids"], secs, c
-    return {name: decode_prompts(ps, tokenizer, gen) for name, ps in prompt_sets.items()}
+    return {name: decode_prompts(ps, tokenizer, gen, name) for name, ps in prompt_sets.items()}
 
 
 # --------------------------------------------------------------------------------------------

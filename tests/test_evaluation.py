@@ -71,7 +71,8 @@ def test_two_turn_decode_follows_the_models_own_answer():
     try:
         chat.render_prompt = lambda t, messages: seen.append([dict(m) for m in messages]) or [1, 2, 3]
         st = decode_prompts([ev.Prompt("p", [{"role": "user", "content": "q1"}], ["q2"])], tok,
-                            lambda ids: ([5] * (4 + len(seen)), 0.5, {"drafts": 2, "accepted": 1, "per_pos": [1, 0]}))
+                            lambda ids: ([5] * (4 + len(seen)), 0.5, {"drafts": 2, "accepted": 1, "per_pos": [1, 0]}),
+                            "test")
     finally:
         chat.render_prompt = orig
     assert seen[1] == [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "ans5"},
