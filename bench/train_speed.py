@@ -71,6 +71,7 @@ def parse_args():
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--loss", default="soft_ce", help="train.loss: soft_ce | kl | tv | jsd | lk | lk_alpha")
     ap.add_argument("--clip", type=float, default=0.5)
     ap.add_argument("--peak-tflops", type=float, help="default: measured matmul throughput")
     ap.add_argument("--profile", action="store_true", help="print where one step's time goes")
@@ -255,7 +256,7 @@ def measure(args, shape: DrafterShape, device, cdtype):
 
     def forward_backward():
         with autocast:
-            out = ttt_loss(model, **batch, target_lm_head=head, vocab=vocab, ttt_steps=args.ttt)
+            out = ttt_loss(model, **batch, target_lm_head=head, vocab=vocab, ttt_steps=args.ttt, loss=args.loss)
         out.loss.backward()
         return out
 
@@ -294,7 +295,7 @@ def measure(args, shape: DrafterShape, device, cdtype):
         mem = f"{torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB (max allocated)"
     else:
         mem = f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB (process max RSS)"
-    print(f"batch         {args.batch} x {args.seq} tokens, TTT {args.ttt}, "
+    print(f"batch         {args.batch} x {args.seq} tokens, TTT {args.ttt}, loss {args.loss}, "
           f"step-0 counted rows {counted:.1%}")
     print(f"ms/step       {ms:.1f} median of {len(step_ms)} "
           f"(forward+backward {statistics.median(fwd_bwd_ms):.1f}, "
@@ -349,7 +350,7 @@ def check_numerics(args, shape: DrafterShape, device, cdtype):
         b = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in batch.items()}
         ctx = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
         with ctx:
-            out = ttt_loss(m, **b, target_lm_head=head.to(dtype), vocab=vocab, ttt_steps=args.ttt)
+            out = ttt_loss(m, **b, target_lm_head=head.to(dtype), vocab=vocab, ttt_steps=args.ttt, loss=args.loss)
         out.loss.backward()
         grads = torch.cat([p.grad.flatten().float() for p in m.parameters() if p.requires_grad])
         m.zero_grad(set_to_none=True)
