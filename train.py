@@ -27,7 +27,7 @@ from omegaconf import OmegaConf
 
 from eagle3 import checkpoint, config as config_schema, fused
 from eagle3.data import is_heldout
-from eagle3.export_run import write_export
+from eagle3.export import write_export
 from eagle3.features import Batch, FeatureDataset, check_compatible, collate, template_sha256
 from eagle3.loss import TTTOutput, step_counts, target_teacher, unigram_correct
 from eagle3.losses import check_loss

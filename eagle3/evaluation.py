@@ -8,12 +8,13 @@ they all hand back `DecodeStats` per prompt, so tau is summed the same way whate
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
+from eagle3 import judging
+from eagle3.judging import mt_bench_file
+
 BUILTIN_PROMPT_SETS = ("mt_bench", "mt_bench_2turn", "sharegpt_heldout")
 
 
@@ -26,11 +27,6 @@ class Prompt:
     messages: List[dict]                                  # the conversation up to its first user turn
     followups: List[str] = field(default_factory=list)    # later user turns, each sent after the model's own answer
     category: str = ""                                    # MT-Bench category (writing, coding, ...); "" when the set has none
-
-
-def mt_bench_file() -> Path:
-    """The 80 MT-Bench questions shipped in data/ (Apache-2.0, from FastChat); EAGLE3_MT_BENCH overrides."""
-    return Path(os.environ.get("EAGLE3_MT_BENCH", PROJECT_ROOT / "data" / "mt_bench_questions.jsonl"))
 
 
 def prompt_set_name(spec: str) -> str:
@@ -338,7 +334,6 @@ def markdown_report(rows: Sequence[dict], settings: dict, production_baseline_to
                     comparisons: Sequence[dict] = (), figures: Sequence[Path] = ()) -> str:
     """The settings, then one section per chain length: the table, tau per category, the paired
     comparison; then the figures."""
-    from eagle3 import judging
     s = settings
     lines = [f"# Drafter evaluation ({s.get('backend')}, target {s.get('target')})", "",
              f"greedy, topk {s.get('topk')}, max {s.get('max_new_tokens')} new tokens, batch 1, prompts: "

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
@@ -249,8 +250,12 @@ def load_per_prompt(out_dir: Path) -> List[dict]:
     return records
 
 
+def mt_bench_file() -> Path:
+    """The 80 MT-Bench questions shipped in data/ (Apache-2.0, from FastChat); EAGLE3_MT_BENCH overrides."""
+    return Path(os.environ.get("EAGLE3_MT_BENCH", Path(__file__).resolve().parent.parent / "data" / "mt_bench_questions.jsonl"))
+
+
 def _mt_bench_categories() -> Dict[str, str]:
-    from eagle3.evaluation import mt_bench_file
     path = mt_bench_file()
     if not path.exists():
         return {}
