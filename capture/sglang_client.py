@@ -351,7 +351,7 @@ def capture_sglang(target_dir: Path, info, tok, samples: Sequence[Any], aux_laye
         if not url:
             port = free_port()
             log_path = out_dir.with_name(out_dir.name + ".capture_server.log")
-            cmd = capture_server_cmd(str(target_dir), capture.tp_size, aux_layers, info.model_type, port,
+            cmd = capture_server_cmd(str(target_dir), capture.tp_size, aux_layers, info.architectures, port,
                                      capture.server_args, trust_remote_code=needs_remote_code(target_dir),
                                      python=sglang_python())
             url, proc = stack.enter_context(running_server(

@@ -33,7 +33,7 @@ def write_export(run_dir: Path, model_state: Dict[str, torch.Tensor], shape: Dra
         names = Eagle3Drafter(shape)   # only for its engine names: the meta device allocates nothing
     state = names.to_engine_names({k.removeprefix("drafter."): v for k, v in model_state.items()})
     return export_drafter(Path(run_dir) / "export", state, shape, vocab.d2t, vocab.t2d, target.aux_layers,
-                          target.info.model_type, target.info.name, target.info.fingerprint)
+                          target.info.architectures, target.info.name, target.info.fingerprint)
 
 
 def run_config(run_dir: Path) -> Config:
