@@ -174,6 +174,9 @@ def test_rids_are_safe_deterministic_and_unique():
     assert all(safe_rid(r) for r in rids) and rids == [spool_rid(i) for i in ids]
     assert len(set(rids)) == len(ids) and set(rid_map(ids).values()) == set(ids)
     assert spool_rid("a#1") != spool_rid("a_1") and spool_rid("a_1") == "a_1"
+    ids.append("x+0123abcd")                                   # a safe id that looks like an attempt's
+    attempts = [attempt_rid(spool_rid(i), "89abcdef") for i in ids]
+    assert all(safe_rid(r) for r in attempts) and [rid_stem(r) for r in attempts] == [spool_rid(i) for i in ids]
 
 
 def test_packed_dataset_equals_hf_backend(target, tmp_path):
