@@ -98,6 +98,7 @@ def assemble(state: AssemblyState, piece: Piece) -> Outcome:
 
     - start 0 for a rid already written or refused: SGLang prefilled it again (a retracted
       request comes back under the same rid with its output appended): duplicate, not rewritten.
+      Hence clients send each attempt of a prompt under a fresh rid (capture/sglang_client.py).
     - start > 0 for such a rid: a decode row (MIXED batch, or DP's decode-as-extend): ignored.
     - start > 0 with no earlier rows: its prefix came from the radix cache (or earlier chunks were
       missed), so rows 0..start are unknowable here: refused with an error.

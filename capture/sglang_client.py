@@ -12,6 +12,10 @@ deletes it. Sending pauses while the spool, plus what the requests in flight wil
 capture.spool_budget_gb (tmpfs is RAM). Requests go out in shard-plan order, so shards complete
 one after another; a rerun keeps committed shards, reuses finished spool entries and sends the rest.
 
+A rid is the sample's (spool_rid) plus `+<nonce>`, fresh for every run: the plugin writes a rid once
+and skips a second prefill of it (SGLang re-prefills retracted requests under the same rid), so a
+rerun against a server that is still up must not reuse the rids it already saw.
+
 The client reads the spool directly: it must run on the node of the server's TP rank 0.
 The server's Python is $EAGLE3_SGLANG_PYTHON (SGLang lives in its own environment), else this one.
 """
@@ -45,16 +49,17 @@ REQUEST_TIMEOUT = 900.0           # one prefill-only request, queued behind `con
 SPOOL_TIMEOUT = 300.0
 _FILE_OVERHEAD = 4096             # torch.save's zip framing per file, an upper bound (bytes)
 _POLL = 0.02                      # seconds between spool polls when nothing happened
+_ATTEMPT_RE = re.compile(r"(.+)\+([0-9a-f]{8})")
 
 
 # ----------------------------------------------------------------------------------------------
 # Small pieces (tests use them directly).
 
 def spool_rid(sample_id: str) -> str:
-    """A rid the plugin accepts as a directory name; ids that are already safe stay as they are.
+    """A rid stem the plugin accepts as a directory name; ids that are already safe stay as they are.
 
     Others (ShareGPT's "<id>#<k>", paths, long ids) become their safe characters plus a hash of
-    the whole id: deterministic, so a rerun finds the same spool entries.
+    the whole id: deterministic, so a rerun maps an earlier run's spool entries back to samples.
     """
     sid = str(sample_id)
     if safe_rid(sid) and len(sid) <= 150:
@@ -62,6 +67,21 @@ def spool_rid(sample_id: str) -> str:
     digest = hashlib.blake2b(sid.encode(), digest_size=6).hexdigest()
     stem = re.sub(r"[^A-Za-z0-9_.:=+-]", "_", sid)[:120].lstrip(".")
     return f"{stem}={digest}"
+
+
+def attempt_rid(stem: str, nonce: str) -> str:
+    """The rid one run sends for a sample: its stem plus the run's nonce (8 hex digits)."""
+    return f"{stem}+{nonce}"
+
+
+def rid_stem(rid: str) -> str:
+    """attempt_rid's inverse; a rid without a nonce (an older client's) is its own stem."""
+    m = _ATTEMPT_RE.fullmatch(rid)
+    return m.group(1) if m else rid
+
+
+def new_nonce() -> str:
+    return os.urandom(4).hex()
 
 
 def rid_map(sample_ids: Sequence[str]) -> Dict[str, str]:
@@ -185,12 +205,18 @@ def _check_errors_file(spool: Path) -> None:
                            f"the file and rerun:\n{f.read_text()[-4000:]}")
 
 
-def _prepare_spool(spool: Path, rids: Dict[str, str], done: set) -> List[str]:
-    """Clean what an earlier run left; return rids whose finished entries can be packed as they are.
+def _sample_of(rid: str, stems: Dict[str, str]) -> Optional[str]:
+    """The sample id behind a spool rid of any run, given this capture's {stem: sample id}."""
+    return stems[rid] if rid in stems else stems.get(rid_stem(rid))
 
-    An old errors.txt belongs to an earlier server: it is kept aside, not acted on. Entries of
-    this run's pending samples are reused when finished, else removed (to be sent again); entries
-    of committed samples and of regeneration requests are removed; others are left alone.
+
+def _prepare_spool(spool: Path, stems: Dict[str, str], done: set) -> Dict[str, str]:
+    """Clean what an earlier run left; return {sample id: rid} of finished entries to pack as they are.
+
+    An old errors.txt belongs to an earlier server: it is kept aside, not acted on. An entry of a
+    pending sample (from any earlier run) is reused when finished, else removed (to be sent
+    again); entries of committed samples, second entries of one sample and entries of
+    regeneration requests are removed; others are left alone.
     """
     spool.mkdir(parents=True, exist_ok=True)
     old = spool / "errors.txt"
@@ -198,14 +224,15 @@ def _prepare_spool(spool: Path, rids: Dict[str, str], done: set) -> List[str]:
         aside = spool / f"errors.{time.strftime('%Y%m%d-%H%M%S')}.txt.old"
         os.replace(old, aside)
         print(f"[capture] warning: {old} from an earlier server moved to {aside.name}")
-    reuse, foreign = [], 0
-    for e in os.scandir(spool):
+    reuse: Dict[str, str] = {}
+    foreign = 0
+    for e in sorted(os.scandir(spool), key=lambda e: e.name):
         if not e.name.startswith("req_") or not e.is_dir():
             continue
         rid, d = e.name[4:], Path(e.path)
-        sid = rids.get(rid)
-        if sid is not None and sid not in done and (d / "done").exists():
-            reuse.append(rid)
+        sid = _sample_of(rid, stems)
+        if sid is not None and sid not in done and sid not in reuse and (d / "done").exists():
+            reuse[sid] = rid
         elif sid is not None or rid.startswith("regen."):
             shutil.rmtree(d, ignore_errors=True)
         else:
@@ -214,6 +241,16 @@ def _prepare_spool(spool: Path, rids: Dict[str, str], done: set) -> List[str]:
         print(f"[capture] warning: {foreign} spool entries in {spool} belong to no sample of this "
               "capture; they are left alone but count against the spool budget")
     return reuse
+
+
+def _sweep_other_attempts(spool: Path, stems: Dict[str, str], ours: Dict[str, str]) -> None:
+    """Remove entries of this capture's samples written for another run's rids: requests an
+    interrupted run left in flight can land after this run has resent their samples."""
+    with contextlib.suppress(FileNotFoundError):
+        for e in os.scandir(spool):
+            rid = e.name[4:]
+            if e.name.startswith("req_") and rid not in ours and _sample_of(rid, stems) is not None:
+                shutil.rmtree(e.path, ignore_errors=True)
 
 
 def _pack(run: _Run, writer: FeatureWriter, rid: str, hidden: int, aux_layers: Sequence[int]) -> int:
@@ -228,7 +265,7 @@ def _pack(run: _Run, writer: FeatureWriter, rid: str, hidden: int, aux_layers: S
 
 def _poll(run: _Run, writer: FeatureWriter, hidden: int, aux_layers: Sequence[int], bar) -> bool:
     """One pass over requests sent: collect answers, pack finished entries, note refusals."""
-    progressed = False
+    progressed, late = False, []
     for rid, fut in list(run.in_flight.items()):
         if not fut.done():
             continue
@@ -249,13 +286,9 @@ def _poll(run: _Run, writer: FeatureWriter, hidden: int, aux_layers: Sequence[in
             run.refused[run.rids[rid]] = f"request {rid}: {(d / 'error.txt').read_text().strip()}"
             shutil.rmtree(d, ignore_errors=True)
             bar.update(len(run.by_id[run.rids[rid]].input_ids))
-        elif rid in run.answered and time.monotonic() - run.answered[rid] > SPOOL_TIMEOUT:
-            raise RuntimeError(
-                f"request {rid} was answered {SPOOL_TIMEOUT:.0f} s ago but {d} never appeared: the "
-                "server is not capturing. Check its log for 'eagle3 capture plugin: spooling' (the "
-                "plugin's entry point must be installed in the server's environment) and that "
-                "EAGLE3_SPOOL_DIR names this spool on this node")
         else:
+            if rid in run.answered and time.monotonic() - run.answered[rid] > SPOOL_TIMEOUT:
+                late.append(rid)
             continue
         progressed = True
         run.answered.pop(rid, None)
@@ -263,6 +296,15 @@ def _poll(run: _Run, writer: FeatureWriter, hidden: int, aux_layers: Sequence[in
         if fut is not None:   # spooled before its answer arrived: the answer is not needed
             fut.add_done_callback(lambda f: f.exception())
         run.inflight_bytes -= run.est.pop(rid, 0)
+    if late:
+        more = f" and {len(late) - 5} more" if len(late) > 5 else ""
+        raise RuntimeError(
+            f"no spool entry arrived for request id(s) {', '.join(late[:5])}{more} within "
+            f"{SPOOL_TIMEOUT:g} s of the server answering (expected {run.spool}/req_<rid>/done). "
+            "Is the server started with the capture plugin? Its log says 'eagle3 capture plugin: "
+            "spooling prefills to <dir>' when the plugin is installed in the server's environment "
+            f"and EAGLE3_SPOOL_DIR is set. Is the spool dir the same path on both sides? This client "
+            f"reads {run.spool}; the server must write there, on this node (that of its TP rank 0)")
     return progressed
 
 
@@ -274,10 +316,12 @@ def pack_requests(samples: Sequence[Any], writer: FeatureWriter, url: str, spool
     from tqdm import tqdm
 
     pending = [samples[i] for shard in writer.pending_shards() for i in shard]
-    rids = rid_map([s.id for s in samples])
-    run = _Run(spool, url.rstrip("/"), rids, {str(s.id): s for s in samples})
-    reuse = set(_prepare_spool(spool, rids, writer.done_ids()))
-    (spool / "rids.json").write_text(json.dumps({r: s for r, s in rids.items() if r != s}))
+    stems = rid_map([s.id for s in samples])
+    reuse = _prepare_spool(spool, stems, writer.done_ids())
+    nonce = new_nonce()
+    rid_of = {str(s.id): reuse.get(str(s.id)) or attempt_rid(spool_rid(s.id), nonce) for s in pending}
+    run = _Run(spool, url.rstrip("/"), {r: sid for sid, r in rid_of.items()}, {str(s.id): s for s in samples})
+    (spool / "rids.json").write_text(json.dumps({r: s for r, s in stems.items() if r != s}))
     k = len(aux_layers)
     bar = tqdm(total=sum(len(s.input_ids) for s in pending), unit="tok", unit_scale=True,
                desc="capture", disable=not progress, smoothing=0.05)
@@ -295,8 +339,8 @@ def pack_requests(samples: Sequence[Any], writer: FeatureWriter, url: str, spool
                 last_size = (now, spool_bytes(spool))
             while queue and len(run.in_flight) < concurrency:
                 s = queue[-1]
-                rid = spool_rid(s.id)
-                if rid in reuse:               # finished by an earlier run, never packed
+                rid = rid_of[str(s.id)]
+                if str(s.id) in reuse:         # finished by an earlier run, never packed
                     queue.pop()
                     run.answered[rid] = now
                     continue
@@ -317,6 +361,7 @@ def pack_requests(samples: Sequence[Any], writer: FeatureWriter, url: str, spool
                             refused=len(run.refused), refresh=False)
             if not progressed:
                 time.sleep(_POLL)
+        _sweep_other_attempts(spool, stems, run.rids)
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
         bar.close()
@@ -351,7 +396,7 @@ def capture_sglang(target_dir: Path, info, tok, samples: Sequence[Any], aux_laye
         if not url:
             port = free_port()
             log_path = out_dir.with_name(out_dir.name + ".capture_server.log")
-            cmd = capture_server_cmd(str(target_dir), capture.tp_size, aux_layers, info.model_type, port,
+            cmd = capture_server_cmd(str(target_dir), capture.tp_size, aux_layers, info.architectures, port,
                                      capture.server_args, trust_remote_code=needs_remote_code(target_dir),
                                      python=sglang_python())
             url, proc = stack.enter_context(running_server(

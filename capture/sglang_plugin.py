@@ -10,7 +10,8 @@ What it writes (docs/design.md, "Spool format"): one `req_<rid>/` per request wi
 aux_{k-1}.pt` and `final.pt` (bf16 [T, H], T = whole prompt), `meta.json`, then an empty `done`.
 `final` is the `hidden_states` argument of LogitsProcessor.forward: the post-norm state the LM
 head consumes. Failures never reach the serving path: they go to the log and to
-`req_<rid>/error.txt` (or `<spool>/errors.txt` when no request can be named).
+`req_<rid>/error.txt` (or `<spool>/errors.txt` when no request can be named). A rid is captured
+once per server process: a client sends every attempt of a prompt under a fresh rid.
 
 Written for SGLang 0.5.23 and checked against its source:
 - `LogitsProcessor.forward(self, input_ids, hidden_states, lm_head, logits_metadata,
@@ -159,8 +160,9 @@ def process_pass(spool: Path, state: AssemblyState, item: PassCopy,
         if out.kind == "complete":
             submit(functools.partial(write_outcome, spool, out, aux_layers, engine_layer_ids))
         elif out.kind == "duplicate":
-            logger.info("eagle3 capture: %s prefilled again (retracted?); kept the first capture",
-                        out.rid)
+            logger.warning("eagle3 capture: %s prefilled again (a retracted request, or a client "
+                           "resending a rid it sent before): kept the first capture, wrote nothing",
+                           out.rid)
         elif out.kind == "error":
             logger.error("eagle3 capture: %s", out.message)
             write_error(spool, out.rid, out.message)

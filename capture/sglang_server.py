@@ -1,6 +1,6 @@
 """The SGLang capture server: its command line and environment, and a launcher that waits for /health.
 
-    cmd = capture_server_cmd("/models/Kimi-K2.5", 8, [3, 31, 59], "kimi_k25", 30000, [])
+    cmd = capture_server_cmd("/models/Kimi-K2.5", 8, [3, 31, 59], ["KimiK25ForConditionalGeneration"], 30000, [])
     with running_server(cmd, capture_server_env("/dev/shm/eagle3_spool", [3, 31, 59]),
                         Path("runs/kimi_k25/capture_server.log"), 30000) as (url, proc):
         ...
@@ -35,14 +35,15 @@ _CAPTURE_FORBIDDEN = ("--enable-two-batch-overlap", "--speculative-draft-model-p
 SERVER_START_TIMEOUT = 3600.0     # Kimi-K2.5 takes many minutes to load on 8 GPUs
 
 
-def capture_server_cmd(model_path: str, tp_size: int, aux_layers: Sequence[int], target_arch: str,
+def capture_server_cmd(model_path: str, tp_size: int, aux_layers: Sequence[int], architectures: Sequence[str],
                        port: int, extra_args: Sequence[str] = (), *,
                        trust_remote_code: bool = False, python: str = sys.executable) -> List[str]:
     """`python -m sglang.launch_server` for a capture server; set capture_server_env() too.
 
     --enable-return-aux-hidden-states + --speculative-algorithm EAGLE3: the target itself captures
     the aux states (SGLang resets the algorithm to none, no draft loads); the ids go through the
-    same set_eagle3_layers_to_capture rule as a draft config's, hence capture_layer_ids.
+    same set_eagle3_layers_to_capture rule as a draft config's, hence capture_layer_ids, keyed on the
+    target's config.json `architectures`.
     --disable-prefill-cuda-graph: the prefill graph runner rebuilds the ForwardBatch without rids.
     --disable-radix-cache: a cached prefix is never recomputed, so its rows would be missing.
     --skip-server-warmup: warmup's own request would otherwise land in the spool.
@@ -51,7 +52,7 @@ def capture_server_cmd(model_path: str, tp_size: int, aux_layers: Sequence[int],
     bad = [a for a in extra_args if a.split("=")[0] in _CAPTURE_FORBIDDEN]
     if bad:
         raise ValueError(f"capture server: {bad} break capture (see _CAPTURE_FORBIDDEN)")
-    ids = capture_layer_ids(aux_layers, target_arch)
+    ids = capture_layer_ids(aux_layers, architectures)
     flags = ["--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3",
              "--return-aux-hidden-state-layer-ids", *[str(i) for i in ids],
              "--disable-prefill-cuda-graph", "--disable-radix-cache", "--skip-server-warmup"]

@@ -2,57 +2,100 @@
 
 This project's `aux_layers: [i, j, k]` always means the residual stream *entering* decoder layer i
 (= transformers' `output_hidden_states[i]`). Engines read
-`eagle_config.eagle_aux_hidden_state_layer_ids` with their own offsets, and a wrong one crashes
-nothing: it silently ruins acceptance. This is the one place that knows the offsets.
+`eagle_config.eagle_aux_hidden_state_layer_ids` with their own offsets, per target model class, and
+a wrong one crashes nothing: it silently ruins acceptance. This is the one place that knows the
+offsets. It keys on the target's config.json `architectures` (the name each engine resolves to a
+model class) and refuses one it was not checked for: a guess would be a silent wrong shift.
 """
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import Dict, List, Sequence
 
-# Target architectures SGLang handles with the DeepSeek rule (models/deepseek_v2.py, which
-# Kimi-K2.5's text backbone uses).
-_DEEPSEEK_FAMILY = {"deepseek_v2", "deepseek_v3", "kimi_k2", "kimi_k25", "kimi_vl"}
-_SGLANG_VERSIONS = ("0.5.23",)
-_VLLM_VERSIONS = ("0.32.0",)
+# SGLang 0.5.23, set_eagle3_layers_to_capture of the class each architecture resolves to:
+# "plus_one" adds 1 to every id (models/llama.py; qwen2.py and qwen3.py have the same rule);
+# "deepseek" adds 1 only when the first id is 1 (models/deepseek_v2.py). Each captures the state
+# entering layer layers_to_capture[n], this project's meaning.
+_SGLANG_RULES: Dict[str, str] = {
+    "LlamaForCausalLM": "plus_one",
+    "MistralForCausalLM": "plus_one",                 # mistral.py: a LlamaForCausalLM subclass
+    "Phi3ForCausalLM": "plus_one",                    # llama.py subclasses
+    "InternLM3ForCausalLM": "plus_one",
+    "Qwen2ForCausalLM": "plus_one",
+    "Qwen3ForCausalLM": "plus_one",
+    "DeepseekV2ForCausalLM": "deepseek",
+    "DeepseekV3ForCausalLM": "deepseek",              # a DeepseekV2ForCausalLM subclass
+    "KimiK25ForConditionalGeneration": "deepseek",    # delegates to its DeepseekV3ForCausalLM
+}
+# vLLM 0.32: each of these classes (Kimi-K2.5 through its DeepseekV2ForCausalLM language model)
+# records `hidden_states + residual` entering layer id: ids as given.
+_VLLM_RULES: Dict[str, str] = {arch: "as_given" for arch in _SGLANG_RULES}
+_RULES = {"sglang": _SGLANG_RULES, "vllm": _VLLM_RULES}
+_VERSIONS = {"sglang": ("0.5.23",), "vllm": ("0.32.0",)}
 
 
-def engine_aux_ids(aux_layers: Sequence[int], engine: str, target_arch: str,
+def known_architectures(engine: str) -> List[str]:
+    return sorted(_rules(engine))
+
+
+def engine_aux_ids(aux_layers: Sequence[int], engine: str, architectures: Sequence[str] | str,
                    engine_version: str | None = None) -> List[int]:
     """Map aux_layers (entering-layer meaning) to the ids `engine` expects in config.json.
 
-    SGLang 0.5.23: Llama-family targets add 1 to every id (models/llama.py,
-    set_eagle3_layers_to_capture), so write i-1; DeepSeek-V2/V3 targets add 1 only when the first
-    id is 1 and use the ids as given otherwise, so write i as given, and a first aux layer of 1
-    cannot be expressed. vLLM 0.32: records layer idx's output under idx+1, i.e. ids as given.
+    architectures: the target's config.json `architectures` (eagle3.targets.TargetInfo), or one
+    name. Every name must be known for `engine` and share one rule; anything else is refused.
+    SGLang 0.5.23: the Llama rule adds 1 to every id, so write i-1; the DeepSeek rule (DeepSeek-V2/V3,
+    Kimi-K2.5) adds 1 only when the first id is 1, so write i as given, and a first aux layer of 1
+    cannot be expressed. vLLM 0.32: ids as given.
     """
     ids = [int(i) for i in aux_layers]
     if any(i < 1 for i in ids):
         raise ValueError(f"aux_layers {ids}: layer 0 is the embedding output; engines cannot capture it")
-    arch = target_arch.lower()
-    if engine == "vllm":
-        _check_version("vllm", engine_version, _VLLM_VERSIONS)
+    rules = _rules(engine)
+    _check_version(engine, engine_version)
+    rule = _rule(rules, engine, [architectures] if isinstance(architectures, str) else list(architectures))
+    if rule == "as_given":
         return ids
-    if engine == "sglang":
-        _check_version("sglang", engine_version, _SGLANG_VERSIONS)
-        if arch in _DEEPSEEK_FAMILY:
-            if ids[0] == 1:
-                raise ValueError(
-                    f"aux_layers {ids}: SGLang 0.5.23 adds 1 to DeepSeek-family ids only when the first "
-                    "id is 1, so a first aux layer of 1 cannot be expressed; choose a first layer >= 2")
-            return ids
+    if rule == "plus_one":
         return [i - 1 for i in ids]
-    raise ValueError(f"unknown engine {engine!r}: expected 'sglang' or 'vllm'")
+    if ids[0] == 1:
+        raise ValueError(
+            f"aux_layers {ids}: SGLang 0.5.23 adds 1 to DeepSeek-family ids only when the first "
+            "id is 1, so a first aux layer of 1 cannot be expressed; choose a first layer >= 2")
+    return ids
 
 
-def capture_layer_ids(aux_layers: Sequence[int], target_arch: str) -> List[int]:
+def capture_layer_ids(aux_layers: Sequence[int], architectures: Sequence[str] | str) -> List[int]:
     """The ids to pass as SGLang's --return-aux-hidden-state-layer-ids for a capture server.
 
     SGLang applies the same set_eagle3_layers_to_capture rule to these as to a draft config.
     """
-    return engine_aux_ids(aux_layers, "sglang", target_arch)
+    return engine_aux_ids(aux_layers, "sglang", architectures)
 
 
-def _check_version(engine: str, version: str | None, known: tuple) -> None:
+def _rules(engine: str) -> Dict[str, str]:
+    if engine not in _RULES:
+        raise ValueError(f"unknown engine {engine!r}: expected 'sglang' or 'vllm'")
+    return _RULES[engine]
+
+
+def _rule(rules: Dict[str, str], engine: str, architectures: List[str]) -> str:
+    known = ", ".join(sorted(rules))
+    unknown = [a for a in architectures if a not in rules]
+    if not architectures or unknown:
+        what = (f"architecture(s) {unknown}" if architectures
+                else "a target whose config.json names no `architectures`")
+        raise ValueError(
+            f"{engine}: aux-layer ids were not checked for {what}. Known: {known}. Read the engine's "
+            "set_eagle3_layers_to_capture (SGLang) or aux-state capture (vLLM) for that model class "
+            "and add it to eagle3/engine_ids.py")
+    found = {rules[a] for a in architectures}
+    if len(found) > 1:
+        raise ValueError(f"{engine}: architectures {architectures} follow different aux-id rules {sorted(found)}")
+    return found.pop()
+
+
+def _check_version(engine: str, version: str | None) -> None:
+    known = _VERSIONS[engine]
     if version is not None and version not in known:
         raise ValueError(
             f"{engine} {version}: aux-id offsets were verified for {engine} {', '.join(known)} only; "

@@ -108,7 +108,7 @@ def check_drafter_fits(export_config: dict, target_info, tensors: Optional[Dict]
     """Refuse a drafter that cannot work with the target, naming every mismatch.
 
     export_config: the export's config.json; target_info: eagle3.targets.TargetInfo (hidden_size,
-    vocab_size, num_layers, model_type); tensors: the export's safetensors (shapes of fc, d2t, t2d).
+    vocab_size, num_layers, architectures); tensors: the export's safetensors (shapes of fc, d2t, t2d).
     Returns the aux layers in this project's meaning (entering layer i).
     """
     from eagle3.engine_ids import engine_aux_ids
@@ -132,12 +132,13 @@ def check_drafter_fits(export_config: dict, target_info, tensors: Optional[Dict]
         errors.append(f"aux layers {aux} out of range for a {L}-layer target (valid: 1..{L - 1})")
     if record and ids:
         try:
-            want = engine_aux_ids(record, engine, str(target_info.model_type))
-        except ValueError as e:
-            want = str(e)
+            want = engine_aux_ids(record, engine, list(target_info.architectures))
+        except ValueError as e:   # an architecture whose ids were never checked: nothing to compare
+            errors.append(str(e))
+            want = [int(i) for i in ids]
         if want != [int(i) for i in ids]:
             errors.append(f"eagle_aux_hidden_state_layer_ids {ids} are not the {engine} ids of aux layers "
-                          f"{list(record)} for a {target_info.model_type} target (expected {want}): "
+                          f"{list(record)} for a {'/'.join(target_info.architectures)} target (expected {want}): "
                           f"an export for another engine?")
     if tensors is not None:
         errors += _check_tensors(export_config, tensors, V, Ht, len(aux))

@@ -45,21 +45,27 @@ _NOT_EXPORTED = ("embed_tokens.",)   # shared with the target inside the engine
 _METADATA = {"format": "pt"}
 
 
-def drafter_config(shape, aux_layers: Sequence[int], engine: str, target_arch: str,
+def drafter_config(shape, aux_layers: Sequence[int], engine: str, target_architectures: Sequence[str],
                    target_name: str = "", target_fingerprint: str = "") -> dict:
-    """config.json for one engine. `shape` is eagle3.model.DrafterShape."""
+    """config.json for one engine. `shape` is eagle3.model.DrafterShape; target_architectures is the
+    target's config.json `architectures` (eagle3/engine_ids.py keys the engine's ids on it)."""
     return {
         "architectures": ["LlamaForCausalLMEagle3"],
         **shape.to_hf_config(),
         "torch_dtype": "bfloat16",
         "eagle_config": {
-            "eagle_aux_hidden_state_layer_ids": engine_aux_ids(aux_layers, engine, target_arch),
+            "eagle_aux_hidden_state_layer_ids": engine_aux_ids(aux_layers, engine, target_architectures),
             "use_aux_hidden_state": True,
         },
         # Our own record, in this project's meaning (residual stream entering layer i).
-        "eagle3": {"aux_layers": list(aux_layers), "engine": engine, "target_arch": target_arch,
+        "eagle3": {"aux_layers": list(aux_layers), "engine": engine,
+                   "target_architectures": _names(target_architectures),
                    "target": target_name, "target_fingerprint": target_fingerprint},
     }
+
+
+def _names(architectures: Sequence[str] | str) -> list:
+    return [architectures] if isinstance(architectures, str) else list(architectures)
 
 
 def export_state_dict(model_state: Dict[str, torch.Tensor], d2t: torch.Tensor, t2d: torch.Tensor,
@@ -72,7 +78,7 @@ def export_state_dict(model_state: Dict[str, torch.Tensor], d2t: torch.Tensor, t
 
 
 def export_drafter(out_root: Path, model_state: Dict[str, torch.Tensor], shape, d2t, t2d,
-                   aux_layers: Sequence[int], target_arch: str, target_name: str = "",
+                   aux_layers: Sequence[int], target_architectures: Sequence[str], target_name: str = "",
                    target_fingerprint: str = "", engines: Sequence[str] = ENGINES,
                    aux_ids_override: Dict[str, list] | None = None) -> Dict[str, Path]:
     """Write out_root/<engine>/ for each engine, atomically (temp dir, then rename).
@@ -84,7 +90,7 @@ def export_drafter(out_root: Path, model_state: Dict[str, torch.Tensor], shape, 
     check_norm_weights(tensors, shape)
     written = {}
     for engine in engines:
-        cfg = drafter_config(shape, aux_layers, engine, target_arch, target_name, target_fingerprint)
+        cfg = drafter_config(shape, aux_layers, engine, target_architectures, target_name, target_fingerprint)
         if aux_ids_override and engine in aux_ids_override:
             cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = list(aux_ids_override[engine])
         final = Path(out_root) / engine
@@ -238,7 +244,7 @@ def write_export(run_dir: Path, model_state: Dict[str, torch.Tensor], shape: Dra
         names = Eagle3Drafter(shape)   # only for its engine names: the meta device allocates nothing
     state = names.to_engine_names({k.removeprefix("drafter."): v for k, v in model_state.items()})
     return export_drafter(Path(run_dir) / "export", state, shape, vocab.d2t, vocab.t2d, target.aux_layers,
-                          target.info.model_type, target.info.name, target.info.fingerprint)
+                          target.info.architectures, target.info.name, target.info.fingerprint)
 
 
 def run_config(run_dir: Path):

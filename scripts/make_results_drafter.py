@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from eagle3.data import build_samples  # noqa: E402
 from eagle3.export import INDEX_NAME, drafter_config, load_export, prune_draft_vocab, reshard_export  # noqa: E402
 from eagle3.model import DrafterShape  # noqa: E402
-from eagle3.targets import load_tokenizer, resolve_target  # noqa: E402
+from eagle3.targets import load_tokenizer, resolve_target, target_info  # noqa: E402
 from eagle3.vocab import count_tokens  # noqa: E402
 
 
@@ -40,7 +40,8 @@ def main() -> None:
     args = ap.parse_args()
 
     tensors, cfg = load_export(args.src)
-    tok = load_tokenizer(resolve_target("gguf", "", "smollm2", "llama", {}, 0))
+    target_dir = resolve_target("gguf", "", "smollm2", "llama", {}, 0)
+    tok = load_tokenizer(target_dir)
     train, _, report = build_samples(tok, "sharegpt", "", 8000, 512, 0.0, turns=1, max_prompt_chars=1500)
     counts = count_tokens([s.input_ids for s in train], [s.loss_mask for s in train], int(cfg["vocab_size"]))
     draft_ids = torch.nonzero(tensors["t2d"]).flatten()
@@ -66,7 +67,8 @@ def main() -> None:
         if f.suffix == ".safetensors" or f.name == INDEX_NAME:
             os.symlink(Path("..") / "vllm" / f.name, sg / f.name)
     record = pcfg["eagle3"]
-    scfg = drafter_config(DrafterShape.from_hf_config(pcfg), record["aux_layers"], "sglang", record["target_arch"],
+    scfg = drafter_config(DrafterShape.from_hf_config(pcfg), record["aux_layers"], "sglang",
+                          target_info(target_dir).architectures,
                           record["target"], record["target_fingerprint"])
     (sg / "config.json").write_text(json.dumps(scfg, indent=2) + "\n")
     total = sum(f.stat().st_size for f in (export / "vllm").iterdir())

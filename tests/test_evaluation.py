@@ -84,7 +84,8 @@ def test_two_turn_decode_follows_the_models_own_answer():
 # check_drafter_fits
 
 V, HT, L = 300, 48, 8
-TARGET = SimpleNamespace(name="t", vocab_size=V, hidden_size=HT, num_layers=L, model_type="llama")
+TARGET = SimpleNamespace(name="t", vocab_size=V, hidden_size=HT, num_layers=L, model_type="llama",
+                         architectures=["LlamaForCausalLM"])
 
 
 def _export(vd=100, hidden=HT, target_hidden=HT, k=3, aux=(2, 4, 5), engine="vllm", vocab=V):
@@ -96,7 +97,7 @@ def _export(vd=100, hidden=HT, target_hidden=HT, k=3, aux=(2, 4, 5), engine="vll
     d2t = torch.arange(vd) * 2 - torch.arange(vd)         # draft j -> target 2j
     t2d = torch.zeros(vocab, dtype=torch.bool)
     t2d[torch.arange(vd) * 2] = True
-    cfg = drafter_config(shape, list(aux), engine, "llama")
+    cfg = drafter_config(shape, list(aux), engine, ["LlamaForCausalLM"])
     return export_state_dict(m.exportable_state_dict(), d2t, t2d), cfg
 
 
@@ -259,7 +260,7 @@ def test_evaluate_hf_end_to_end(tmp_path):
     t2d = torch.zeros(info.vocab_size, dtype=torch.bool)
     t2d[:512] = True
     aux = [2, 3, info.num_layers - 3]
-    export_drafter(tmp_path / "run_a" / "export", m.exportable_state_dict(), shape, d2t, t2d, aux, "llama")
+    export_drafter(tmp_path / "run_a" / "export", m.exportable_state_dict(), shape, d2t, t2d, aux, ["LlamaForCausalLM"])
     out = tmp_path / "eval"
     r = subprocess.run([sys.executable, "evaluate.py", "+experiment=tiny", f"run_dir={tmp_path}/r",
                         f"eval.drafters=[{tmp_path}/run_a,{tmp_path}/run_a/export/vllm]",

@@ -35,7 +35,7 @@ def source(tmp_path) -> Path:
     t2d = torch.zeros(SHAPE.vocab_size, dtype=torch.bool)
     t2d[d2t + torch.arange(SHAPE.draft_vocab_size)] = True
     return export_drafter(tmp_path / "export", model.exportable_state_dict(), SHAPE, d2t, t2d, [2, 4, 5],
-                          "llama", engines=["vllm"])["vllm"]
+                          ["LlamaForCausalLM"], engines=["vllm"])["vllm"]
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -147,11 +147,11 @@ def test_export_refuses_norm_weights_its_config_does_not_describe(tmp_path):
     with_norms = dataclasses.replace(SHAPE, fc_norm=True)
     state = Eagle3Drafter(with_norms).exportable_state_dict()
     with pytest.raises(ValueError, match="fc_norm=False"):
-        export_drafter(tmp_path / "a", state, SHAPE, d2t, t2d, [2, 4, 5], "llama")
+        export_drafter(tmp_path / "a", state, SHAPE, d2t, t2d, [2, 4, 5], ["LlamaForCausalLM"])
     with pytest.raises(ValueError, match="fc_norm=True"):
         export_drafter(tmp_path / "b", Eagle3Drafter(SHAPE).exportable_state_dict(), with_norms, d2t, t2d,
-                       [2, 4, 5], "llama")
-    out = export_drafter(tmp_path / "c", state, with_norms, d2t, t2d, [2, 4, 5], "llama", engines=["vllm"])["vllm"]
+                       [2, 4, 5], ["LlamaForCausalLM"])
+    out = export_drafter(tmp_path / "c", state, with_norms, d2t, t2d, [2, 4, 5], ["LlamaForCausalLM"], engines=["vllm"])["vllm"]
     tensors, cfg = load_export(out)
     assert cfg["fc_norm"] is True and cfg["norm_output"] is False
     assert sorted(k for k in tensors if k.startswith("fc_norm.")) == ["fc_norm.0.weight", "fc_norm.1.weight",

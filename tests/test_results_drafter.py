@@ -32,7 +32,7 @@ def test_both_exports_fit_smollm2_with_their_engines_ids():
         tensors, cfg = load_export(find_export(RESULTS, engine))
         aux = check_drafter_fits(cfg, info, tensors, engine=engine, where=f"results {engine}")
         assert aux == [2, 15, 27]                      # [2, n//2, n-3] of its 30 layers
-        assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == engine_aux_ids(aux, engine, "llama")
+        assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == engine_aux_ids(aux, engine, info.architectures)
         loaded[engine] = tensors
     assert loaded["vllm"].keys() == loaded["sglang"].keys()
     assert all(torch.equal(loaded["vllm"][k], loaded["sglang"][k]) for k in loaded["vllm"])

@@ -3,10 +3,11 @@
     .venv/bin/python -m pytest tests/test_sglang_client.py -q
 
 The fake server is a real HTTP server on 127.0.0.1: for each /generate it computes the tiny
-target's hidden states with eagle3.hidden.capture_hidden (one unpadded sample) and writes the spool
-entry with the plugin's own write_request / write_error, a little after answering (the plugin
-writes on a background thread). Independent truth: the hf backend's dataset of the same samples
-(padded batches, its own writer path), compared field by field and within bf16 rounding.
+target's hidden states with eagle3.hidden.capture_hidden (one unpadded sample) and hands them to the
+plugin's own process_pass (its assembly state lives as long as the server, longer prompts arrive
+in two chunks), which writes the spool entry, a little after answering (the plugin writes on a
+background thread). Independent truth: the hf backend's dataset of the same samples (padded
+batches, its own writer path), compared field by field and within bf16 rounding.
 """
 from __future__ import annotations
 
@@ -22,8 +23,11 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from capture.hf import hf_meta, run_capture
-from capture.sglang_client import capture_sglang, request_bytes, rid_map, spool_bytes, spool_rid
-from capture.sglang_plugin import safe_rid, write_error, write_request
+import capture.sglang_client as client
+from capture.sglang_assembly import AssemblyState
+from capture.sglang_client import (attempt_rid, capture_sglang, request_bytes, rid_map, rid_stem, spool_bytes,
+                                   spool_rid)
+from capture.sglang_plugin import PassCopy, process_pass, safe_rid, write_error
 from eagle3.hidden import capture_hidden
 from eagle3.config import CaptureConfig
 from eagle3.features import FeatureDataset
@@ -64,6 +68,8 @@ class FakeServer:
         self.misconfigure_gate = misconfigure_gate   # misconfigure only once this returns True
         self.refuse, self.short, self.misconfigure_after = set(refuse), set(short), misconfigure_after
         self.received, self.max_spool, self.lock = [], 0, threading.Lock()
+        self.state = AssemblyState()                     # the plugin's: rids it has captured
+        self.outcomes = []
         self.outstanding = self.max_outstanding = 0      # requests received and not yet spooled
         self.model_lock = threading.Lock()
         fake = self
@@ -86,14 +92,14 @@ class FakeServer:
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 assert body["sampling_params"] == {"max_new_tokens": 0}
-                rid, ids = body["rid"], body["input_ids"]
+                rid, ids = rid_stem(body["rid"]), body["input_ids"]   # rid: the sample's stem
                 with fake.lock:
                     fake.received.append(rid)
                     n = len(fake.received)
                     fake.outstanding += 1
                     fake.max_outstanding = max(fake.max_outstanding, fake.outstanding)
                 self._reply({"text": "", "meta_info": {"id": rid, "prompt_tokens": len(ids)}})
-                threading.Timer(fake.delay, fake.write, (rid, ids, n)).start()
+                threading.Timer(fake.delay, fake.write, (body["rid"], ids, n)).start()
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
@@ -113,16 +119,23 @@ class FakeServer:
                 time.sleep(0.05)
             write_error(self.spool, None, "pass not captured: ValueError('rows without rids')")
             return
-        if rid in self.refuse:
+        if rid_stem(rid) in self.refuse:
             write_error(self.spool, rid, f"request {rid}: prefill starts at position 5 ...")
             return
-        with self.model_lock, torch.no_grad():   # forward hooks on one model: one forward at a time
+        # forward hooks on one model, and one assembly state: one request at a time
+        with self.model_lock, torch.no_grad():
             aux, final = capture_hidden(self.model, torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long), AUX)
-        H = final.shape[-1]
-        aux_list, final = [a[0] for a in aux.split(H, dim=-1)], final[0]
-        if rid in self.short:                        # the server prefilled one token less
-            aux_list, final = [a[:-1] for a in aux_list], final[:-1]
-        write_request(self.spool, rid, aux_list, final, AUX, [a - 1 for a in AUX])
+            H = final.shape[-1]
+            aux_list, final = [a[0] for a in aux.split(H, dim=-1)], final[0]
+            if rid_stem(rid) in self.short:              # the server prefilled one token less
+                aux_list, final = [a[:-1] for a in aux_list], final[:-1]
+            T = final.shape[0]
+            cut = T // 2 if T > 16 else T                # chunked prefill: two passes
+            for start, end in ((0, cut), (cut, T))[:1 + (cut < T)]:
+                item = PassCopy(rids=[rid], prefix_lens=[start], extend_lens=[end - start],
+                                total_lens=torch.tensor([T]), aux=[a[start:end] for a in aux_list],
+                                final=final[start:end], event=None)
+                self.outcomes += process_pass(self.spool, self.state, item, AUX, [a - 1 for a in AUX])
         with self.lock:
             self.max_spool = max(self.max_spool, spool_bytes(self.spool))
 
@@ -161,6 +174,9 @@ def test_rids_are_safe_deterministic_and_unique():
     assert all(safe_rid(r) for r in rids) and rids == [spool_rid(i) for i in ids]
     assert len(set(rids)) == len(ids) and set(rid_map(ids).values()) == set(ids)
     assert spool_rid("a#1") != spool_rid("a_1") and spool_rid("a_1") == "a_1"
+    ids.append("x+0123abcd")                                   # a safe id that looks like an attempt's
+    attempts = [attempt_rid(spool_rid(i), "89abcdef") for i in ids]
+    assert all(safe_rid(r) for r in attempts) and [rid_stem(r) for r in attempts] == [spool_rid(i) for i in ids]
 
 
 def test_packed_dataset_equals_hf_backend(target, tmp_path):
@@ -177,6 +193,7 @@ def test_packed_dataset_equals_hf_backend(target, tmp_path):
     assert a == b and a["totals"]["num_shards"] > 2
     assert ds.manifest["engine"] == {"name": "sglang", "version": "0.5.23"}
     assert sorted(server.received) == sorted(spool_rid(s.id) for s in samples)
+    assert [o.kind for o in server.outcomes].count("complete") == len(samples)
     for i, s in enumerate(samples):
         got, want = ds[i], ref[i]
         assert ds.sample_id(i) == s.id and got["input_ids"].tolist() == s.input_ids
@@ -247,6 +264,93 @@ def test_resume_after_a_mid_run_stop(target, tmp_path):
     for rec in ds.manifest["shards"]:                           # byte-identical to a run without a stop
         assert (tmp_path / "sg" / rec["file"]).read_bytes() == (straight / rec["file"]).read_bytes()
     assert spool_entries(spool) == []
+
+
+def test_resume_against_the_same_running_server(target, tmp_path, monkeypatch):
+    """A client stopped midway (Ctrl-C) and rerun against the server it used, which is still up and
+    remembers every rid it captured: the samples of the shard it discarded are captured again, and
+    the dataset equals an uninterrupted capture's, tensor for tensor."""
+    samples = make_samples(14, seed=6)
+    spool, out = tmp_path / "spool", tmp_path / "sg"
+    plan = _plan(samples)
+    shard_of = {samples[i].id: n for n, shard in enumerate(plan) for i in shard}
+    real_pack = client._pack
+
+    def pack_then_stop(run, writer, rid, hidden, aux_layers):
+        n = real_pack(run, writer, rid, hidden, aux_layers)
+        progress = json.loads((tmp_path / "sg.partial" / "progress.json").read_text())
+        if progress.get("done") and str(shard_of[run.rids[rid]]) not in map(str, progress["done"]):
+            raise KeyboardInterrupt   # a shard is committed, this sample's is not: it will be resent
+        return n
+
+    server = FakeServer(target[0], spool)
+    try:
+        monkeypatch.setattr(client, "_pack", pack_then_stop)
+        with pytest.raises(KeyboardInterrupt):
+            run_client(target, samples, out, spool, server, concurrency=2)
+        monkeypatch.setattr(client, "_pack", real_pack)
+        deadline = time.time() + 60
+        while server.outstanding and time.time() < deadline:   # what it had in flight lands in the spool
+            time.sleep(0.05)
+        first = list(server.received)
+        ds = FeatureDataset(run_client(target, samples, out, spool, server))
+    finally:
+        server.close()
+    resent = set(first) & set(server.received[len(first):])
+    assert resent                                   # rids the server had captured, sent again...
+    kinds = [o.kind for o in server.outcomes]
+    assert "duplicate" not in kinds and kinds.count("complete") == len(server.received)   # ...and captured
+    assert spool_entries(spool) == []
+    straight = FakeServer(target[0], tmp_path / "spool2")
+    try:
+        ref = FeatureDataset(run_client(target, samples, tmp_path / "straight", tmp_path / "spool2", straight))
+    finally:
+        straight.close()
+    assert ds.manifest == ref.manifest and len(ds) == len(samples)
+    for i in range(len(ds)):
+        assert ds.sample_id(i) == ref.sample_id(i)
+        assert all(torch.equal(ds[i][k], ref[i][k]) for k in ("input_ids", "loss_mask", "aux", "final"))
+
+
+def test_a_rerun_reuses_finished_entries_and_clears_other_attempts(tmp_path):
+    """Entries of an earlier run are mapped back to samples through their rid stem: a finished one is
+    packed as it is, an unfinished one or a second one of the same sample is removed, others stay."""
+    stems = rid_map(["c0", "sg#1", "c2", "c3"])
+    by_stem = {sid: stem for stem, sid in stems.items()}
+    spool = tmp_path / "spool"
+    for rid, finished in [(attempt_rid(by_stem["sg#1"], "0a0b0c0d"), True), (by_stem["c0"], True),
+                          (attempt_rid(by_stem["c2"], "00000001"), False), (attempt_rid(by_stem["c3"], "00000001"), True),
+                          (attempt_rid(by_stem["c3"], "00000002"), True), ("other+00000001", True)]:
+        (spool / f"req_{rid}").mkdir(parents=True)
+        if finished:
+            (spool / f"req_{rid}" / "done").touch()
+    reuse = client._prepare_spool(spool, stems, done={"c0"})
+    assert reuse == {"sg#1": attempt_rid(by_stem["sg#1"], "0a0b0c0d"), "c3": attempt_rid("c3", "00000001")}
+    assert spool_entries(spool) == sorted(f"req_{r}" for r in [*reuse.values(), "other+00000001"])
+    (spool / f"req_{attempt_rid('c2', '00000003')}").mkdir()           # landed after the rerun resent c2
+    client._sweep_other_attempts(spool, stems, {attempt_rid("c2", "00000004"): "c2", reuse["c3"]: "c3"})
+    assert spool_entries(spool) == sorted(["req_other+00000001", f"req_{reuse['c3']}"])
+
+
+def test_timeout_names_the_request_ids_and_what_to_check(target, tmp_path, monkeypatch):
+    """A server that answers but never spools (no plugin, or another spool dir)."""
+    class Answers(FakeServer):
+        def write(self, rid, ids, n):
+            with self.lock:
+                self.outstanding -= 1
+
+    monkeypatch.setattr(client, "SPOOL_TIMEOUT", 0.5)
+    samples = make_samples(3, seed=7)
+    server = Answers(target[0], tmp_path / "spool")
+    try:
+        with pytest.raises(RuntimeError) as e:
+            run_client(target, samples, tmp_path / "sg", tmp_path / "spool", server)
+    finally:
+        server.close()
+    msg = str(e.value)
+    assert "no spool entry arrived for request id(s)" in msg and "within 0.5 s" in msg
+    assert any(spool_rid(s.id) + "+" in msg for s in samples)
+    assert "capture plugin" in msg and "same path on both sides" in msg and str(tmp_path / "spool") in msg
 
 
 def _plan(samples):

@@ -222,7 +222,7 @@ def test_load_hf_drafter_from_export_proposes_as_the_model(tmp_path):
         prm.data = prm.data.to(torch.bfloat16).float()
     t2d = torch.zeros(V, dtype=torch.bool)
     t2d[d2t + torch.arange(d2t.numel())] = True
-    dirs = export_drafter(tmp_path, drafter.exportable_state_dict(), drafter.shape, d2t, t2d, AUX, "llama",
+    dirs = export_drafter(tmp_path, drafter.exportable_state_dict(), drafter.shape, d2t, t2d, AUX, ["LlamaForCausalLM"],
                           engines=("vllm",))
     loaded = load_hf_drafter(dirs["vllm"], model)
     p = prompts(1, seed=9)[0]

@@ -116,12 +116,12 @@ def fit_memorizing_drafter(out_root: Path, steps: int = 80, **norms) -> Path:
                 n.weight.neg_()
                 drafter.fc.weight[:, i * shape.target_hidden_size:(i + 1) * shape.target_hidden_size].neg_()
     dirs = export_drafter(out_root / "export", drafter.exportable_state_dict(), shape, vocab.d2t, vocab.t2d,
-                          aux_layers, "llama", "smollm2", info.fingerprint, engines=("vllm",))
+                          aux_layers, info.architectures, "smollm2", info.fingerprint, engines=("vllm",))
     if norms:
         return dirs["vllm"]
     # the same weights with the vLLM ids shifted by one: a wiring error acceptance must expose
     export_drafter(out_root / "shifted" / "export", drafter.exportable_state_dict(), shape, vocab.d2t,
-                   vocab.t2d, aux_layers, "llama", engines=("vllm",),
+                   vocab.t2d, aux_layers, info.architectures, engines=("vllm",),
                    aux_ids_override={"vllm": [i + 1 for i in aux_layers]})
     # drop our own record of the meaning, or check_drafter_fits (rightly) refuses the mismatch
     cfg_path = out_root / "shifted" / "export" / "vllm" / "config.json"

@@ -80,6 +80,9 @@ def sglang_world(tmp_path_factory):
     reset_context()
 
 
+ARCHITECTURES = {"llama": ["LlamaForCausalLM"], "deepseek_v3": ["DeepseekV3ForCausalLM"]}   # config.json's
+
+
 def export(tmp_path: Path, aux_layers, target_arch: str, seed: int = 0, **norms) -> Path:
     import dataclasses
     torch.manual_seed(seed)
@@ -92,7 +95,7 @@ def export(tmp_path: Path, aux_layers, target_arch: str, seed: int = 0, **norms)
     t2d = torch.zeros(SHAPE.vocab_size, dtype=torch.bool)
     t2d[d2t + torch.arange(SHAPE.draft_vocab_size)] = True
     return export_drafter(tmp_path / "export", model.exportable_state_dict(), shape, d2t, t2d, aux_layers,
-                          target_arch, engines=["sglang"])["sglang"]
+                          ARCHITECTURES[target_arch], engines=["sglang"])["sglang"]
 
 
 def load_into_sglang(export_dir: Path):
@@ -252,7 +255,7 @@ def test_tiny_deepseek_pipeline_export_loads_into_sglang(sglang_world, tmp_path)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     export_dir = tmp_path / "run" / "export" / "sglang"
     cfg = json.loads((export_dir / "config.json").read_text())
-    assert cfg["eagle3"]["target_arch"] == "deepseek_v3" and cfg["eagle3"]["aux_layers"] == [2, 3, 4]
+    assert cfg["eagle3"]["target_architectures"] == ["DeepseekV3ForCausalLM"] and cfg["eagle3"]["aux_layers"] == [2, 3, 4]
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 3, 4]
     assert_every_parameter_is_ours(load_into_sglang(export_dir), load_file(str(export_dir / "model.safetensors")),
                                    DrafterShape.from_hf_config(cfg))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -157,6 +158,23 @@ def test_retracted_request_prefilled_twice_is_written_once(cap):
     assert spooled(cap) == ["req_a"]
     assert_written(cap, "a", a)
     assert (cap.spool / "req_a" / "final.pt").stat().st_mtime_ns == stamp
+
+
+def test_a_resent_prompt_is_captured_under_its_new_rid(cap):
+    """A client that resumes sends the prompt again under a fresh rid (capture/sglang_client.py's
+    attempt_rid): the long-running server writes it again, its first entry already consumed."""
+    from capture.sglang_client import attempt_rid
+
+    a = truth(6, 21)
+    first, second = attempt_rid("s1", "0000000a"), attempt_rid("s1", "0000000b")
+    for rid in (first, second):
+        aux, final = cut([(a, 0, 6)])
+        forward(make_fb(ForwardMode.EXTEND, [rid], [0], [6], [6]), aux, final)
+        assert_written(cap, rid, a)
+        shutil.rmtree(cap.spool / f"req_{rid}")   # the client packs it and deletes it
+    aux, final = cut([(a, 0, 6)])
+    forward(make_fb(ForwardMode.EXTEND, [second], [0], [6], [6]), aux, final)   # the same rid again
+    assert spooled(cap) == []
 
 
 def test_prefix_from_radix_cache_is_refused(cap, caplog):

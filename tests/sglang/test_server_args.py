@@ -46,7 +46,7 @@ def test_capture_cmd_resolves_and_reaches_layers_to_capture(tiny_llama_dir):
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
     aux_layers = [2, 4, 5]
-    cmd = capture_server_cmd(str(tiny_llama_dir), 1, aux_layers, "llama", 31234,
+    cmd = capture_server_cmd(str(tiny_llama_dir), 1, aux_layers, ["LlamaForCausalLM"], 31234,
                              ["--device", "cpu", "--skip-tokenizer-init"])
     sa, v = resolve(cmd)
     assert v.tp_size == 1 and v.port == 31234
@@ -62,7 +62,7 @@ def test_kimi_capture_cmd_tp8():
     from sglang.srt.models.deepseek_v2 import DeepseekV2ForCausalLM
     from sglang.srt.models.kimi_k25 import KimiK25ForConditionalGeneration
 
-    cmd = capture_server_cmd("dummy", 8, [3, 31, 59], "kimi_k25", 30000, ["--device", "cpu"],
+    cmd = capture_server_cmd("dummy", 8, [3, 31, 59], ["KimiK25ForConditionalGeneration"], 30000, ["--device", "cpu"],
                              trust_remote_code=True)
     _, v = resolve(cmd)   # "dummy" stops resolution after the capture handler: no checkpoint needed
     assert v.tp_size == 8 and v.trust_remote_code
@@ -78,9 +78,9 @@ def test_kimi_capture_cmd_tp8():
 
 def test_capture_cmd_refuses_flags_that_break_capture():
     with pytest.raises(ValueError, match="two-batch"):
-        capture_server_cmd("/m", 8, [3, 31, 59], "kimi_k25", 30000, ["--enable-two-batch-overlap"])
+        capture_server_cmd("/m", 8, [3, 31, 59], ["KimiK25ForConditionalGeneration"], 30000, ["--enable-two-batch-overlap"])
     with pytest.raises(ValueError):
-        capture_server_cmd("/m", 8, [1, 31, 59], "kimi_k25", 30000, [])   # DeepSeek cannot express 1
+        capture_server_cmd("/m", 8, [1, 31, 59], ["KimiK25ForConditionalGeneration"], 30000, [])   # DeepSeek cannot express 1
 
 
 def test_eval_cmd_resolves(tiny_llama_dir, tmp_path):
