@@ -150,7 +150,7 @@ def run_sglang(e, target_dir, trust_remote_code, drafters, prompt_sets, tokenize
     """A fresh `sglang.launch_server` per configuration (its counters are per request, but a fresh
     server keeps caches and warm-up identical), or eval.server_url for one running server."""
     from capture import sglang_server as srv
-    from eagle3.serving import eval_server_cmd, server_cmd, sglang_python
+    from eagle3.serving import SERVER_START_TIMEOUT, eval_server_cmd, server_cmd, sglang_python
 
     def serve(draft, tag, e=e) -> Dict[str, List[ev.DecodeStats]]:
         if e.server_url:
@@ -161,10 +161,11 @@ def run_sglang(e, target_dir, trust_remote_code, drafters, prompt_sets, tokenize
                              trust_remote_code=trust_remote_code, python=sglang_python())
         else:
             cmd = eval_server_cmd(str(target_dir), str(draft), e.tp_size, e.num_steps, e.topk,
-                                  e.num_draft_tokens, port, e.server_args,
+                                  e.num_draft_tokens, port, [*draft_memory_args(target_dir, draft, e), *e.server_args],
                                   trust_remote_code=trust_remote_code, python=sglang_python())
         url = f"http://127.0.0.1:{port}"
-        proc = srv.launch(cmd, None, str(Path(out_dir) / f"sglang_{tag}.log"), url + "/health", timeout=1800)
+        proc = srv.launch(cmd, None, str(Path(out_dir) / f"sglang_{tag}.log"), url + "/health",
+                          timeout=SERVER_START_TIMEOUT)
         try:
             return decode_sglang(url, prompt_sets, tokenizer, stop, e)
         finally:
@@ -177,6 +178,16 @@ def run_sglang(e, target_dir, trust_remote_code, drafters, prompt_sets, tokenize
             out = serve(d["export"], f"{d['name']}_chain{k}", at_chain(e, k))
             spec.update({(d["name"], name, k): st for name, st in out.items()})
     return base, spec, {"sglang": _pkg_version("sglang")}
+
+
+def draft_memory_args(target_dir, draft, e) -> List[str]:
+    """eagle3.serving.eval_kv_args for this target and drafter, unless eval.server_args already
+    sizes SGLang's memory itself."""
+    from eagle3.serving import eval_kv_args
+    if any(a.split("=")[0] in ("--max-total-tokens", "--mem-fraction-static") for a in e.server_args):
+        return []
+    target_cfg, draft_cfg = (json.loads((Path(d) / "config.json").read_text()) for d in (target_dir, draft))
+    return eval_kv_args(target_cfg, draft_cfg, e.tp_size)
 
 
 def decode_sglang(url, prompt_sets, tokenizer, stop, e) -> Dict[str, List[ev.DecodeStats]]:
