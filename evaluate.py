@@ -317,7 +317,15 @@ def evaluate(c: Config) -> Dict[str, Path]:
                 "reference": reference or drafters[0]["name"],
                 "bootstrap": {"resamples": judging.RESAMPLES, "seed": judging.SEED, "level": judging.LEVEL,
                               "unit": "prompt"}}
+    if e.draft_step_ms > 0 and e.baseline_tok_s:
+        from eagle3.projection import markdown_section, project
+        for r in rows:
+            r["projected"] = project(r["accept_per_position"], e.draft_step_ms, e.baseline_tok_s, e.verify_factor)
+        settings["projection"] = {"draft_step_ms": e.draft_step_ms, "verify_factor": e.verify_factor}
     paths = ev.write_report(out_dir, rows, settings, versions, e.baseline_tok_s, comparisons)
+    if e.draft_step_ms > 0 and e.baseline_tok_s:
+        with open(paths["md"], "a") as f:
+            f.write(markdown_section(rows, e.draft_step_ms, e.baseline_tok_s, e.verify_factor))
     print(paths["md"].read_text())
     return paths
 

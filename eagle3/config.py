@@ -151,6 +151,10 @@ class EvalConfig:
     num_draft_tokens: int = 0                 # 0 = num_steps + 1 (a chain)
     temperature: float = 0.0
     baseline_tok_s: Optional[float] = None   # the production figure to show beside the measured one
+    # > 0 with baseline_tok_s: the report projects tok/s at the baseline (eagle3/projection.py) from
+    # each drafter's acceptance and this draft step (bench/draft_latency.py); verify = factor x a decode step
+    draft_step_ms: float = 0.0
+    verify_factor: float = 1.0
     server_url: str = ""                      # sglang: talk to a running server
     tp_size: int = 1
     server_args: List[str] = field(default_factory=list)
