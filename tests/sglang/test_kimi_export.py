@@ -96,3 +96,22 @@ def test_a_draft_shorter_than_the_target_context_is_refused(tmp_path, monkeypatc
     draft = _export(tmp_path, 1e6, 4096)
     with pytest.raises(ValueError, match="context_length"):
         _draft_model_config(_target(tmp_path, 262144), draft)
+
+
+def test_the_eval_servers_kv_flags_resolve_in_sglang(tmp_path):
+    """evaluate.py's memory flags for a Kimi-shaped target and our drafter parse and resolve through
+    SGLang's own ServerArgs (the pool cap it later applies in kv_cache_configurator)."""
+    from sglang.srt.server_args import prepare_server_args
+
+    from eagle3.serving import eval_kv_args
+
+    target = _target(tmp_path, 262144)
+    draft = _export(tmp_path, 1e6, 262144)
+    kimi = {"model_type": "deepseek_v3", "num_hidden_layers": 61, "kv_lora_rank": 512, "qk_rope_head_dim": 64}
+    ours = {"model_type": "llama", "num_hidden_layers": 1, "num_attention_heads": 64, "num_key_value_heads": 64,
+            "head_dim": 128, "hidden_size": 7168}
+    flags = eval_kv_args(kimi, ours, 8)
+    sa = prepare_server_args(eval_server_cmd(str(target), str(draft), 1, 3, 1, 4, 30000,
+                                             [*flags, "--device", "cpu", "--skip-tokenizer-init"])[3:])
+    sa.resolve_once()
+    assert sa.max_total_tokens == 65536
