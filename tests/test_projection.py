@@ -76,3 +76,34 @@ def test_draft_latency_bench_runs_on_cpu():
                         "--context", "64"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert p.stdout.startswith("tiny: ") and "ms per draft step" in p.stdout and "eager" in p.stdout
+
+
+def test_evaluate_adds_the_projected_table(tmp_path):
+    """evaluate.py with eval.draft_step_ms: each row of report.json carries its projection and
+    report.md ends with the projected table (a tiny random target and drafter, hf backend)."""
+    import torch
+    from omegaconf import OmegaConf
+
+    from eagle3.export import export_drafter
+    from eagle3.model import DrafterShape, Eagle3Drafter
+    from eagle3.targets import resolve_target, target_info
+    tcfg = OmegaConf.load(ROOT / "conf/target/tiny_llama.yaml")
+    info = target_info(resolve_target("random", "", tcfg.name, "llama", OmegaConf.to_container(tcfg.random_config), 0))
+    shape = DrafterShape(hidden_size=info.hidden_size, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, vocab_size=info.vocab_size, draft_vocab_size=512,
+                         target_hidden_size=info.hidden_size, num_aux=3)
+    t2d = torch.zeros(info.vocab_size, dtype=torch.bool)
+    t2d[:512] = True
+    export_drafter(tmp_path / "run_a" / "export", Eagle3Drafter(shape).exportable_state_dict(), shape,
+                   torch.zeros(512, dtype=torch.long), t2d, [2, 3, info.num_layers - 3], "llama")
+    out = tmp_path / "eval"
+    p = subprocess.run([sys.executable, "evaluate.py", "+experiment=tiny", f"run_dir={tmp_path}/r",
+                        f"eval.drafters=[{tmp_path}/run_a]", "eval.num_prompts=1", "eval.max_new_tokens=8",
+                        "eval.baseline_tok_s=90", "eval.draft_step_ms=0.6", f"eval.out_dir={out}"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rep = json.loads((out / "report.json").read_text())
+    row = rep["results"][0]
+    assert row["projected"] == project(row["accept_per_position"], 0.6, 90.0)
+    assert rep["settings"]["projection"] == {"draft_step_ms": 0.6, "verify_factor": 1.0}
+    assert "## Projected single-stream speed" in (out / "report.md").read_text()
