@@ -7,12 +7,13 @@ Only command lines and memory arithmetic, no SGLang import: every flag is checke
 0.5.23's ServerArgs by tests/sglang/test_server_args.py. capture/sglang_server.py builds the capture
 server's command on server_cmd and launches servers.
 
-The draft's KV cache (docs/runbook_kimi.md, "Memory of the draft's KV cache"): SGLang 0.5.23 sizes
+The draft's KV cache (docs/runbook_kimi.md, "Serving the drafter"): SGLang 0.5.23 sizes
 the KV pool per token as the target's bytes x (1 + draft_layers / target_layers)
 (model_executor/pool_configurator.py), i.e. as if the draft's layer were one of the target's. For
 an MLA target that charges the draft 576 values per token, while a Llama-layout drafter stores
 2 x kv_heads x head_dim (split over TP); the difference comes out of the memory SGLang keeps free
-for activations and CUDA graphs unless the static fraction leaves room for it.
+for activations and CUDA graphs unless the pool is capped (eval_kv_args, batch 1) or the static
+fraction lowered (draft_mem_fraction, serving many streams).
 """
 from __future__ import annotations
 
