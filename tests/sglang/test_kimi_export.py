@@ -115,3 +115,43 @@ def test_the_eval_servers_kv_flags_resolve_in_sglang(tmp_path):
                                              [*flags, "--device", "cpu", "--skip-tokenizer-init"])[3:])
     sa.resolve_once()
     assert sa.max_total_tokens == 65536
+
+
+_LOAD = """
+import json, sys, types
+from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
+from sglang.srt.runtime_context import SpawnRanks, publish
+from sglang.srt.server_args import ServerArgs
+ops = types.ModuleType("vllm._custom_ops")          # imported by the rotary module off CUDA, never called here
+ops.rotary_embedding = lambda *args, **kwargs: None
+sys.modules.setdefault("vllm", types.ModuleType("vllm"))._custom_ops = ops
+sys.modules["vllm._custom_ops"] = ops
+draft, port = sys.argv[1], sys.argv[2]
+publish(ServerArgs(model_path=draft, tp_size=1, device="cpu"), role="scheduler", ranks=SpawnRanks(world_rank=0))
+init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                             distributed_init_method=f"tcp://127.0.0.1:{port}")
+initialize_model_parallel(backend="gloo")
+from transformers import LlamaConfig
+from sglang.srt.models.llama_eagle3 import LlamaForCausalLMEagle3
+rope = LlamaForCausalLMEagle3(LlamaConfig(**json.load(open(draft + "/config.json")))).model.layers[0].self_attn.rotary_emb
+print(json.dumps({"base": rope.base, "max_position_embeddings": rope.max_position_embeddings,
+                  "cache_rows": rope.cos_sin_cache.shape[0]}))
+"""
+
+
+def test_sglangs_draft_layer_rotates_with_the_recipes_rope(tmp_path):
+    """SGLang's own LlamaForCausalLMEagle3, built from our export, has the recipe's base and a
+    rotary table over every served position. In a process of its own: SGLang's parallel state is
+    process-wide and test_loader.py sets up its own."""
+    import subprocess
+    import sys
+
+    from capture.sglang_server import free_port
+
+    theta, positions = _recipe_rope()
+    draft = _export(tmp_path, theta, positions)
+    p = subprocess.run([sys.executable, "-c", _LOAD, str(draft), str(free_port())], capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert got == {"base": theta, "max_position_embeddings": positions, "cache_rows": positions}
