@@ -108,6 +108,7 @@ def eval_kv_args(target_cfg: dict, draft_cfg: dict, tp_size: int,
     """Server flags that leave room for the draft's KV cache at batch 1: cap the pool at
     max_total_tokens slots, so the draft's bytes SGLang does not charge are at most
     max_total_tokens x (stored - charged) (65536 x 2944 B = 193 MB for Kimi-K2.5 at TP 8), against
-    the 10 GiB SGLang 0.5.23 reserves at least on a GPU over 60 GiB. [] when nothing is uncharged."""
+    the 10 GiB SGLang 0.5.23 reserves at least for an MLA target on a GPU over 60 GiB. [] when
+    nothing is uncharged."""
     charged, stored = draft_kv_bytes(target_cfg, draft_cfg, tp_size)
     return ["--max-total-tokens", str(int(max_total_tokens))] if stored > charged else []
