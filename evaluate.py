@@ -151,7 +151,7 @@ def run_sglang(e, target_dir, trust_remote_code, drafters, prompt_sets, tokenize
     """A fresh `sglang.launch_server` per configuration (its counters are per request, but a fresh
     server keeps caches and warm-up identical), or eval.server_url for one running server."""
     from capture import sglang_server as srv
-    from eagle3.serving import eval_server_cmd, server_cmd, sglang_python
+    from eagle3.serving import SERVER_START_TIMEOUT, eval_server_cmd, server_cmd, sglang_python
 
     def serve(draft, tag, e=e) -> Dict[str, List[ev.DecodeStats]]:
         if e.server_url:
@@ -162,10 +162,11 @@ def run_sglang(e, target_dir, trust_remote_code, drafters, prompt_sets, tokenize
                              trust_remote_code=trust_remote_code, python=sglang_python())
         else:
             cmd = eval_server_cmd(str(target_dir), str(draft), e.tp_size, e.num_steps, e.topk,
-                                  e.num_draft_tokens, port, e.server_args,
+                                  e.num_draft_tokens, port, [*draft_memory_args(target_dir, draft, e), *e.server_args],
                                   trust_remote_code=trust_remote_code, python=sglang_python())
         url = f"http://127.0.0.1:{port}"
-        proc = srv.launch(cmd, None, str(Path(out_dir) / f"sglang_{tag}.log"), url + "/health", timeout=1800)
+        proc = srv.launch(cmd, None, str(Path(out_dir) / f"sglang_{tag}.log"), url + "/health",
+                          timeout=SERVER_START_TIMEOUT)
         try:
             return decode_sglang(url, prompt_sets, tokenizer, stop, e)
         finally:
@@ -178,6 +179,16 @@ def run_sglang(e, target_dir, trust_remote_code, drafters, prompt_sets, tokenize
             out = serve(d["export"], f"{d['name']}_chain{k}", at_chain(e, k))
             spec.update({(d["name"], name, k): st for name, st in out.items()})
     return base, spec, {"sglang": _pkg_version("sglang")}
+
+
+def draft_memory_args(target_dir, draft, e) -> List[str]:
+    """eagle3.serving.eval_kv_args for this target and drafter, unless eval.server_args already
+    sizes SGLang's memory itself."""
+    from eagle3.serving import eval_kv_args
+    if any(a.split("=")[0] in ("--max-total-tokens", "--mem-fraction-static") for a in e.server_args):
+        return []
+    target_cfg, draft_cfg = (json.loads((Path(d) / "config.json").read_text()) for d in (target_dir, draft))
+    return eval_kv_args(target_cfg, draft_cfg, e.tp_size)
 
 
 def decode_sglang(url, prompt_sets, tokenizer, stop, e) -> Dict[str, List[ev.DecodeStats]]:
@@ -307,7 +318,15 @@ def evaluate(c: Config) -> Dict[str, Path]:
                 "reference": reference or drafters[0]["name"],
                 "bootstrap": {"resamples": judging.RESAMPLES, "seed": judging.SEED, "level": judging.LEVEL,
                               "unit": "prompt"}}
+    if e.draft_step_ms > 0 and e.baseline_tok_s:
+        from eagle3.projection import markdown_section, project
+        for r in rows:
+            r["projected"] = project(r["accept_per_position"], e.draft_step_ms, e.baseline_tok_s, e.verify_factor)
+        settings["projection"] = {"draft_step_ms": e.draft_step_ms, "verify_factor": e.verify_factor}
     paths = ev.write_report(out_dir, rows, settings, versions, e.baseline_tok_s, comparisons)
+    if e.draft_step_ms > 0 and e.baseline_tok_s:
+        with open(paths["md"], "a") as f:
+            f.write(markdown_section(rows, e.draft_step_ms, e.baseline_tok_s, e.verify_factor))
     print(paths["md"].read_text())
     return paths
 

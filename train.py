@@ -379,11 +379,40 @@ def captures_in_process(c) -> bool:
 
 
 def capture_command_message(c) -> str:
+    """The commands that make the missing feature dataset, then train: regeneration (when
+    capture.regenerate), capture, training. SGLang servers run in $EAGLE3_SGLANG_PYTHON's environment."""
+    import json
+
+    from capture.sglang_server import capture_server_cmd
+    from eagle3.serving import SGLANG_PYTHON_ENV, sglang_python
+
     overrides = " ".join(a for a in sys.argv[1:] if not a.startswith("resume"))
-    return (f"error: feature dataset {c.data.features_dir} not found (no manifest.json).\n"
-            f"Capture it first (see docs/runbook_kimi.md for the SGLang capture server):\n"
-            f"    python -m capture {overrides}\n"
-            f"then rerun:\n    python train.py {overrides}")
+    sglang = c.capture.backend == "sglang"
+    env = f"{SGLANG_PYTHON_ENV}={os.environ.get(SGLANG_PYTHON_ENV) or '$PWD/.venv-sglang-gpu/bin/python'} " if sglang else ""
+    where = f"SGLang at TP {c.capture.tp_size}" if sglang else "in-process"
+    lines = [f"error: feature dataset {c.data.features_dir} not found (no manifest.json). Make it, then train "
+             f"(docs/runbook_kimi.md):"]
+    n = 1
+    if c.capture.regenerate:
+        lines += [f"  {n}. the target answers every user turn itself ({where}; cached, a rerun resumes):",
+                  f"     {env}python -m capture {overrides} capture.regenerate_only=true"]
+        n += 1
+    lines += [f"  {n}. capture the features ({where}" + ("; the client starts and stops the capture server):"
+                                                        if sglang else "):"),
+              f"     {env}python -m capture {overrides}"]
+    config = Path(c.target.path) / "config.json"
+    if sglang and c.aux_layers and config.is_file():
+        cfg = json.loads(config.read_text())
+        arch = (cfg.get("text_config") or cfg).get("model_type", "")
+        server = capture_server_cmd(c.target.path, c.capture.tp_size, c.aux_layers, arch, 30000, c.capture.server_args,
+                                    trust_remote_code=c.target.trust_remote_code, python=sglang_python())
+        lines += ["     or with a capture server of your own (its environment: EAGLE3_SPOOL_DIR="
+                  f"{c.capture.spool_dir} EAGLE3_AUX_LAYERS={','.join(map(str, c.aux_layers))}):",
+                  f"     {' '.join(server)}",
+                  f"     python -m capture {overrides} capture.server_url=http://127.0.0.1:30000"]
+    launcher = "accelerate launch --num_processes 8 " if c.dist.deepspeed else "python "
+    lines += [f"  {n + 1}. train:", f"     {launcher}train.py {overrides}"]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,14 @@ class TargetConfig:
     chat_template: str = ""
     trust_remote_code: bool = False
     dtype: str = "auto"                        # auto: bf16 on GPU, fp32 on CPU
+    chat_template_kwargs: Dict[str, Any] = field(default_factory=dict)   # passed to the chat template (e.g. {thinking: true})
+
+
+@dataclass
+class MixEntry:
+    source: str = "sharegpt"
+    path: str = ""
+    weight: float = 1.0
 
 
 @dataclass
@@ -43,6 +51,7 @@ class DataConfig:
     turns: int = 0                            # user turns kept per conversation, with their answers (0 = all)
     max_prompt_chars: int = 0                 # skip conversations whose first user turn is this long (0 = no limit)
     features_dir: str = ""                    # the feature dataset (offline training reads it, capture writes it)
+    mix: List[MixEntry] = field(default_factory=list)   # several sources, each with a weight
 
 
 @dataclass
@@ -142,6 +151,10 @@ class EvalConfig:
     num_draft_tokens: int = 0                 # 0 = num_steps + 1 (a chain)
     temperature: float = 0.0
     baseline_tok_s: Optional[float] = None   # the production figure to show beside the measured one
+    # > 0 with baseline_tok_s: the report projects tok/s at the baseline (eagle3/projection.py) from
+    # each drafter's acceptance and this draft step (bench/draft_latency.py); verify = factor x a decode step
+    draft_step_ms: float = 0.0
+    verify_factor: float = 1.0
     server_url: str = ""                      # sglang: talk to a running server
     tp_size: int = 1
     server_args: List[str] = field(default_factory=list)
