@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Dict, Iterator, List, Mapping, Optional, Sequence
 
 from eagle3.engine_ids import capture_layer_ids
-from eagle3.serving import server_cmd
+from eagle3.serving import SERVER_START_TIMEOUT, server_cmd
 
 SPOOL_ENV = "EAGLE3_SPOOL_DIR"        # same names as capture/sglang_plugin.py (which imports sglang)
 AUX_LAYERS_ENV = "EAGLE3_AUX_LAYERS"
@@ -32,7 +32,6 @@ AUX_LAYERS_ENV = "EAGLE3_AUX_LAYERS"
 # Flags that silently break capture. Two-batch overlap runs DeepSeek layers past
 # first_k_dense_replace through model_forward_stages, which captures nothing there.
 _CAPTURE_FORBIDDEN = ("--enable-two-batch-overlap", "--speculative-draft-model-path")
-SERVER_START_TIMEOUT = 3600.0     # Kimi-K2.5 takes many minutes to load on 8 GPUs
 
 
 def capture_server_cmd(model_path: str, tp_size: int, aux_layers: Sequence[int], architectures: Sequence[str],

@@ -42,7 +42,7 @@ def test_kimi_values():
     assert c.aux_layers == [3, 31, 59]
     assert (c.drafter.draft_vocab_size, c.drafter.intermediate_size, c.drafter.num_attention_heads,
             c.drafter.num_key_value_heads, c.drafter.head_dim) == (32000, 18432, 64, 64, 128)
-    assert (c.train.ttt_steps, c.data.max_length, c.optim.lr) == (7, 4096, 5e-5)
+    assert (c.train.ttt_steps, c.data.max_length, c.optim.lr) == (4, 8192, 8e-5)
     assert c.dist.deepspeed and c.capture.backend == "sglang" and c.capture.tp_size == 8
     assert not c.capture.implicit            # train.py says which capture to run instead of starting one
     assert (c.eval.backend, c.eval.num_steps, c.eval.topk, c.eval.num_draft_tokens, c.eval.baseline_tok_s) == (
