@@ -20,12 +20,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from eagle3.model import DrafterShape
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from eagle3.model import DrafterShape  # noqa: E402
 
 PRESETS = {
     "kimi": DrafterShape(hidden_size=7168, intermediate_size=18432, num_attention_heads=64, num_key_value_heads=64,
