@@ -54,7 +54,7 @@ def _export(tmp_path: Path, rope_theta: float, max_positions: int) -> Path:
     t2d = torch.zeros(300, dtype=torch.bool)
     t2d[:50] = True
     return export_drafter(tmp_path / f"export_{max_positions}", Eagle3Drafter(s).exportable_state_dict(), s, d2t, t2d,
-                          [3, 31, 59], "deepseek_v3", engines=["sglang"])["sglang"]
+                          [3, 31, 59], ["DeepseekV3ForCausalLM"], engines=["sglang"])["sglang"]
 
 
 def _draft_model_config(target: Path, draft: Path):
