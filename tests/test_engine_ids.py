@@ -18,7 +18,7 @@ from eagle3.config import DrafterConfig
 from eagle3.engine_ids import capture_layer_ids, engine_aux_ids, known_architectures
 from eagle3.evaluation import check_drafter_fits
 from eagle3.export import load_export
-from eagle3.export_run import write_export
+from eagle3.export import write_export
 from eagle3.model import Eagle3Drafter, drafter_shape
 from eagle3.targets import prepare_target
 from eagle3.vocab import DraftVocab
