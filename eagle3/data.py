@@ -22,6 +22,12 @@ whole. A template that rewrites earlier text, or a tokenization that merges acro
 boundary in that fallback, makes the record bad ("template not incremental"), never a silently
 wrong mask. An assistant message with nothing before it has no prompt to answer: it stays
 context (mask 0).
+
+A thinking model's reasoning (an assistant turn's reasoning_content) is rendered by the template
+inside the turn, so it is in the span; the template's variables (eagle3.chat) decide whether the
+prompt opens or closes the think block. Kimi renders only the last answer's reasoning (earlier
+ones get an empty block), so a conversation with reasoning in an earlier answer is "template not
+incremental": thinking data is single-answer (data.turns=1).
 """
 from __future__ import annotations
 
