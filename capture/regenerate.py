@@ -9,8 +9,11 @@ turns are dropped, and so is an assistant turn with no user turn before it. A co
 at the first prompt of data.max_length tokens or more (every token after that is truncated away
 by the data loader anyway).
 
-The conversations go to eagle3.data.regenerated_path (JSONL under ~/.cache/eagle3/regen/, keyed by
-the target, its chat template, the data settings and the answer length). Records are appended to
+Every source of data.mix is answered into its own eagle3.data.regenerated_path (JSONL under
+~/.cache/eagle3/regen/, keyed by the target, its chat template and template variables, the source,
+the data settings and the answer length); the user turns are kept as they are. An answer is stored
+as eagle3.chat.assistant_turn makes it (a thinking model's reasoning in reasoning_content), so the
+training data renders the tokens the target wrote. Records are appended to
 `<key>.partial.jsonl` as chunks finish, a rerun skips the ids already there, and the file is
 renamed to `<key>.jsonl` once every conversation is answered. Capture and online training only
 read that file (eagle3.data.load_samples); this is the only code that starts a server or per-GPU
@@ -29,9 +32,9 @@ import torch
 
 from eagle3 import chat
 from eagle3.config import CaptureConfig, DataConfig, TargetConfig
-from eagle3.data import BadRecord, iter_conversations, regenerated_path, select_turns
+from eagle3.data import BadRecord, Source, iter_conversations, mix_sources, regenerated_path, select_turns
 from eagle3.serving import server_cmd, sglang_python
-from eagle3.targets import load_target_model, load_tokenizer, model_dtype, pick_device
+from eagle3.targets import load_target_model, model_dtype, pick_device
 
 
 # ----------------------------------------------------------------------------------------------
@@ -214,7 +217,7 @@ def regenerate_conversations(conversations: Sequence[Tuple[str, list]], tok, gen
             nxt = []
             for i, (ids, finished) in zip(keep, answers):
                 v = active[i]
-                v.done.append({"role": "assistant", "content": tok.decode(ids, skip_special_tokens=False)})
+                v.done.append(chat.assistant_turn(tok, tok.decode(ids, skip_special_tokens=False)))
                 v.new_tokens.append(len(ids))
                 v.finished.append(finished)
                 if v.next_prompt():
@@ -233,11 +236,11 @@ def regenerate_conversations(conversations: Sequence[Tuple[str, list]], tok, gen
     return out_path
 
 
-def source_conversations(data: DataConfig) -> List[Tuple[str, list]]:
-    """The first data.num_samples usable conversations of the source (all when 0), in file order,
+def source_conversations(src: Source, data: DataConfig) -> List[Tuple[str, list]]:
+    """The first data.num_samples usable conversations of one source (all when 0), in file order,
     cut to data.turns user turns and skipped when the first is data.max_prompt_chars long."""
     out = []
-    for cid, messages in iter_conversations(data.source, data.path):
+    for cid, messages in iter_conversations(src.source, src.path):
         try:
             messages = select_turns(messages, data.turns, data.max_prompt_chars)
         except BadRecord:
@@ -252,7 +255,7 @@ def source_conversations(data: DataConfig) -> List[Tuple[str, list]]:
 def _regenerate_hf(device: str, target_dir: Path, target: TargetConfig, capture: CaptureConfig,
                    convs: Sequence[Tuple[str, list]], path: Path, max_length: int, progress: bool,
                    desc: str = "regenerate") -> None:
-    tok = load_tokenizer(target_dir, target.chat_template, target.trust_remote_code)
+    tok = chat.load_tokenizer(target_dir, target)
     model = load_target_model(target_dir, model_dtype(device), device, target.trust_remote_code)
     gen = hf_generate(model, chat.stop_ids(tok, target_dir), capture.regen_max_new_tokens, capture.regen_batch_size)
     regenerate_conversations(convs, tok, gen, path, max_length, progress=progress,
@@ -305,23 +308,37 @@ def _regenerate_in_workers(workers: int, device: str, target_dir: Path, target: 
 
 
 def regenerate(target_dir: Path, target: TargetConfig, data: DataConfig, capture: CaptureConfig,
-               tok, info) -> Path:
-    """Answer data's conversations with the target; returns the file holding the answers:
-    eagle3.data.regenerated_path once all are answered, its .partial.jsonl while some are not
-    (capture.regen_minutes stopped it; a rerun goes on).
+               tok, info) -> List[Path]:
+    """Answer the conversations of every source of data's mix with the target, in mix order;
+    returns the files holding the answers, one per source: eagle3.data.regenerated_path once all
+    of a source's are answered, its .partial.jsonl while some are not (capture.regen_minutes
+    stopped it; the later sources are not started, and a rerun goes on).
 
+    tok: the target's tokenizer; target.chat_template_kwargs are bound to it here, so the prompts
+    render as the training data and evaluation render them.
     Engine = capture.backend: hf loads the target in-process (one worker per GPU, or
     capture.regen_workers); sglang uses capture.server_url, or launches a plain server (capture
     plugin inert) for the time of the regeneration.
     """
-    path = regenerated_path(info.fingerprint, tok.chat_template, data, capture.regen_max_new_tokens)
+    tok = chat.use_template_kwargs(tok, target.chat_template_kwargs)
+    paths = []
+    for src in mix_sources(data.mix, data.source, data.path):
+        paths.append(_regenerate_source(src, target_dir, target, data, capture, tok, info))
+        if paths[-1].name.endswith(".partial.jsonl"):
+            break
+    return paths
+
+
+def _regenerate_source(src: Source, target_dir: Path, target: TargetConfig, data: DataConfig,
+                       capture: CaptureConfig, tok, info) -> Path:
+    path = regenerated_path(info.fingerprint, tok, src, data, capture.regen_max_new_tokens)
     if path.exists():
-        print(f"[regenerate] every conversation is answered in {path}")
+        print(f"[regenerate] every conversation of {src.source} {src.path} is answered in {path}")
         return path
     partial = path.with_name(f"{path.stem}.partial.jsonl")
-    convs = source_conversations(data)
+    convs = source_conversations(src, data)
     if not convs:
-        raise SystemExit(f"error: no conversation with a user turn in data.source={data.source} {data.path}")
+        raise SystemExit(f"error: no conversation with a user turn in {src.source} {src.path}")
     have = done_ids(partial)
     missing = [c for c in convs if c[0] not in have]
     print(f"[regenerate] {len(convs) - len(missing)} of {len(convs)} conversations answered in {partial}")

@@ -5,6 +5,7 @@ conversations: regenerated ones are written beforehand by capture/regenerate.py.
 """
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
 from typing import Sequence
 
@@ -21,6 +22,10 @@ def capture_features(target_dir: Path, aux_layers: Sequence[int], target: Target
                  "max_length": data.max_length, "heldout_fraction": data.heldout_fraction,
                  "turns": data.turns, "max_prompt_chars": data.max_prompt_chars,
                  "heldout_ids": [s.id for s in held]}
+    if data.mix:
+        data_meta["mix"] = [asdict(e) for e in data.mix]
+    if target.chat_template_kwargs:   # the same template renders other text with other variables
+        data_meta["chat_template_kwargs"] = dict(target.chat_template_kwargs)
     if capture.regenerate:   # a different dataset: a finished capture without it must not be reused
         data_meta["regenerated"] = {"engine": capture.backend, "max_new_tokens": capture.regen_max_new_tokens}
     if capture.backend == "hf":

@@ -28,6 +28,10 @@ class TargetConfig:
     # A jinja chat-template file overriding the tokenizer's own (tiny random targets borrow a
     # tokenizer; the Kimi-style template test uses it). "" = the tokenizer's template.
     chat_template: str = ""
+    # Variables every rendering of the chat template gets (eagle3/chat.py passes them to each
+    # apply_chat_template call: regeneration, loss masks, evaluation), e.g. Kimi-K2.5's
+    # {thinking: false}. They are part of what a regeneration cache and a capture are keyed by.
+    chat_template_kwargs: Dict[str, Any] = field(default_factory=dict)
     trust_remote_code: bool = False
     dtype: str = "auto"                        # auto: bf16 on GPU, fp32 on CPU
     chat_template_kwargs: Dict[str, Any] = field(default_factory=dict)   # passed to the chat template (e.g. {thinking: true})
@@ -41,10 +45,24 @@ class MixEntry:
 
 
 @dataclass
+class MixEntry:
+    source: str = "sharegpt"                  # sharegpt (the PyPI package) | jsonl
+    path: str = ""                            # jsonl: the file; sharegpt: "" = the package's copy
+    # Each conversation is used floor(weight) times, plus once more when its id's hash (blake2b,
+    # eagle3.data.copies) falls below weight - floor(weight): 0.5 = a fixed half, 2 = each twice,
+    # 0 = none. Copies are samples "<id>~copy<k>" and split with their conversation.
+    weight: float = 1.0
+
+
+@dataclass
 class DataConfig:
     source: str = "sharegpt"                  # sharegpt (the PyPI package) | jsonl
     path: str = ""                            # jsonl: the file
-    num_samples: int = 0                      # conversations to use (0 = all)
+    # Several sources, each with a weight (MixEntry). [] = [{source, path, weight: 1}] of the two
+    # keys above. With two or more entries a conversation's id is "<name>:<id>", the name being
+    # the file's stem (or "sharegpt"), so ids and the held-out split stay apart per source.
+    mix: List[MixEntry] = field(default_factory=list)
+    num_samples: int = 0                      # usable conversations taken from each source (0 = all)
     max_length: int = 1024                    # tokens per sample after rendering (truncated)
     heldout_fraction: float = 0.02            # deterministic split by conversation id
     min_loss_tokens: int = 1                  # fewer assistant tokens than this: record is "nothing to train on"

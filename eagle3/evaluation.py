@@ -34,18 +34,20 @@ def prompt_set_name(spec: str) -> str:
 
 
 def load_prompts(spec: str, num_prompts: int, data_source: str = "sharegpt", data_path: str = "",
-                 heldout_fraction: float = 0.02) -> List[Prompt]:
+                 heldout_fraction: float = 0.02, data_mix: Sequence = ()) -> List[Prompt]:
     """The first `num_prompts` prompts (0 = all) of a prompt set, in file order.
 
     spec: mt_bench (first turns) | mt_bench_2turn (both turns) | sharegpt_heldout (first user turns
-    of conversations in the held-out split of `data_source`, which training never sees, whatever its
-    num_samples) | a .jsonl path: MT-Bench records ({"turns": [...]}) or conversations (messages or
-    ShareGPT shape, read by eagle3.data), the latter cut after the first user turn.
+    of conversations in the held-out split of the training data: data.mix, or `data_source` when
+    the mix is empty, which training never sees, whatever its num_samples; conversation ids as
+    eagle3.data gives them) | a .jsonl path: MT-Bench records ({"turns": [...]}) or conversations
+    (messages or ShareGPT shape, read by eagle3.data), the latter cut after the first user turn.
+    Render them with eagle3.chat.render_prompt, as regeneration and the training data do.
     """
     if spec in ("mt_bench", "mt_bench_2turn"):
         return _mt_bench(mt_bench_file(), num_prompts, two_turns=spec == "mt_bench_2turn")
     if spec == "sharegpt_heldout":
-        return _conversations(data_source, data_path, num_prompts, heldout_fraction)
+        return _conversations(data_source, data_path, num_prompts, heldout_fraction, data_mix)
     path = Path(spec)
     if not path.exists():
         raise FileNotFoundError(f"prompt set {spec!r}: expected one of {', '.join(BUILTIN_PROMPT_SETS)} "
@@ -74,13 +76,16 @@ def _mt_bench(path: Path, num_prompts: int, two_turns: bool) -> List[Prompt]:
     return prompts
 
 
-def _conversations(source: str, path: str, num_prompts: int,
-                   heldout_fraction: Optional[float]) -> List[Prompt]:
-    """First user turn (with any system message before it) of each conversation."""
+def _conversations(source: str, path: str, num_prompts: int, heldout_fraction: Optional[float],
+                   mix: Sequence = ()) -> List[Prompt]:
+    """First user turn (with any system message before it) of each conversation of the mix
+    (eagle3.data.mix_sources(mix, source, path); each conversation once, whatever its weight)."""
     from eagle3 import data
     from eagle3.chat import conversation_problem
+    sources = data.mix_sources(mix, source, path)
     prompts = []
-    for cid, messages in data.iter_conversations(source, path):
+    for src, (cid, messages) in ((s, c) for s in sources for c in data.iter_conversations(s.source, s.path)):
+        cid = src.conversation_id(cid)
         if heldout_fraction is not None and not data.is_heldout(cid, heldout_fraction):
             continue
         first_user = next((i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"),
@@ -92,7 +97,8 @@ def _conversations(source: str, path: str, num_prompts: int,
         if num_prompts and len(prompts) == num_prompts:
             break
     if not prompts:
-        raise ValueError(f"no usable prompts in {source} {path or ''} (held-out split: {heldout_fraction})")
+        where = ", ".join(f"{s.source} {s.path}".strip() for s in sources)
+        raise ValueError(f"no usable prompts in {where} (held-out split: {heldout_fraction})")
     return prompts
 
 

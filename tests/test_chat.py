@@ -63,3 +63,24 @@ def test_render_prompt_ends_with_the_assistant_header(tok):
 ])
 def test_conversation_problem(messages, needs, problem):
     assert conversation_problem(messages, needs) == problem
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_assistant_turn_splits_a_thinking_reply_where_the_template_would(tok, thinking):
+    """The stored turn re-renders to the generation prompt followed by exactly the reply (and the
+    end of turn); with thinking on the reasoning goes to reasoning_content, split at </think>."""
+    from eagle3.chat import assistant_turn, render_text, use_template_kwargs
+    from eagle3.targets import load_tokenizer
+
+    kimi = use_template_kwargs(load_tokenizer(tok.name_or_path, "tests/templates/kimi_style.jinja"),
+                               {"thinking": thinking})
+    user = [{"role": "user", "content": "Name a colour."}]
+    reply = "Pick one.</think>Green." if thinking else "Green."
+    turn = assistant_turn(kimi, reply)
+    assert turn == ({"role": "assistant", "content": "Green.", "reasoning_content": "Pick one."} if thinking
+                    else {"role": "assistant", "content": "Green."})
+    assert render_text(kimi, user + [turn], False) == render_text(kimi, user, True) + reply + "<|im_end|>"
+    if thinking:   # cut off while reasoning: all of it is reasoning
+        assert assistant_turn(kimi, "Hmm, let me") == {"role": "assistant", "content": "", "reasoning_content": "Hmm, let me"}
+    assert stop_ids(kimi) == [2]
+    assert assistant_turn(tok, reply) == {"role": "assistant", "content": reply}   # a template without reasoning

@@ -95,6 +95,60 @@ def test_mask_kimi_template(smol):
     _check(tok, segments, f"{a1}<|im_end|>{a2}<|im_end|>")
 
 
+KIMI_SPECIAL = ["<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<think>", "</think>"]
+KIMI_SYSTEM = "<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>"
+REASONED = CONV[:3] + [{**CONV[3], "reasoning_content": "Italy's capital: Rome, since 1871."}]
+
+
+def _kimi_tokenizer(smol, thinking):
+    from eagle3.chat import use_template_kwargs
+
+    tok = _template_tokenizer(smol, "tests/templates/kimi_style.jinja")
+    tok.add_tokens(KIMI_SPECIAL, special_tokens=True)     # as in Kimi's own tokenizer
+    return use_template_kwargs(tok, {"thinking": thinking})
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_mask_kimi_thinking_switch(smol, thinking):
+    """The assistant's tokens, and only they, are in the loss: with thinking on the generation prompt
+    ends in <think> and the reasoning is the model's own output (masked); with thinking off the
+    prompt ends in <think></think> and only the answer follows. System and user turns and the role
+    markers never are. Expected text by hand, ids from apply_chat_template(thinking=...)."""
+    tok = _kimi_tokenizer(smol, thinking)
+    conv = REASONED if thinking else CONV
+    a1, a2, r2 = CONV[1]["content"], CONV[3]["content"], REASONED[3]["reasoning_content"]
+    head = "<|im_assistant|>assistant<|im_middle|>" + ("<think>" if thinking else "<think></think>")
+    if thinking:   # the first answer, rendered as history, has an empty think block
+        answers = [f"</think>{a1}<|im_end|>", f"{r2}</think>{a2}<|im_end|>"]
+    else:
+        answers = [f"{a1}<|im_end|>", f"{a2}<|im_end|>"]
+    segments = [(f"{KIMI_SYSTEM}<|im_user|>user<|im_middle|>{CONV[0]['content']}<|im_end|>{head}", 0),
+                (answers[0], 1),
+                (f"<|im_user|>user<|im_middle|>{CONV[2]['content']}<|im_end|>{head}", 0),
+                (answers[1], 1)]
+    full = "".join(t for t, _ in segments)
+    assert full == tok.apply_chat_template(conv, tokenize=False, thinking=thinking)
+    want_ids = list(tok.apply_chat_template(conv, tokenize=True, thinking=thinking)["input_ids"])
+    want_mask = _locate(want_ids, [tok.encode(t, add_special_tokens=False) for t, on in segments if on])
+    ids, mask = render(tok, conv, 4096)
+    assert ids == want_ids and mask == want_mask
+    assert tok.decode([i for i, m in zip(ids, mask) if m]) == "".join(answers)
+    markers = set(tok.convert_tokens_to_ids(KIMI_SPECIAL[:4])) | {tok.convert_tokens_to_ids("<think>")}
+    assert not markers & {i for i, m in zip(ids, mask) if m}
+    assert (r2 in tok.decode(ids)) == thinking
+
+
+def test_kimi_reasoning_the_template_drops_is_a_bad_record_not_a_wrong_mask(smol):
+    """Kimi renders an earlier turn's reasoning as an empty think block once a later answer exists:
+    that turn's prefix rendering is not a prefix of the whole, so the record is refused. So is
+    reasoning in thinking-off mode, whose prompt already closed the think block."""
+    reasoned_first = [CONV[0], {**CONV[1], "reasoning_content": "Easy."}] + CONV[2:]
+    with pytest.raises(BadRecord, match="template not incremental"):
+        render(_kimi_tokenizer(smol, True), reasoned_first, 4096)
+    with pytest.raises(BadRecord, match="template not incremental"):
+        render(_kimi_tokenizer(smol, False), REASONED, 4096)
+
+
 class _NoOffsets:
     """A tokenizer without offsets (like tiktoken-based ones): forces the token-prefix path."""
 
@@ -266,3 +320,107 @@ def test_real_sharegpt_package(smol):
     assert rep.stopped_early and rep.used == 200 and rep.read < 260
     assert all(len(s.input_ids) == len(s.loss_mask) <= 1024 and sum(s.loss_mask) > 0 for s in train + held)
     print(f"stream all: {stream_s:.1f}s; 200 samples: {time.time() - t:.1f}s; {rep.summary()}")
+
+
+# ---------------------------------------------------------------------------------------------
+# data.mix: several sources with weights
+
+def _source_files(tmp_path):
+    """Two jsonl sources, "mine" (40 conversations, ids m0..) and "theirs" (30, one without an id)."""
+    paths = []
+    for name, n in (("mine", 40), ("theirs", 30)):
+        recs = [{"id": f"{name[0]}{i}", "messages": CONV[:2]} for i in range(n)]
+        if name == "theirs":
+            recs[5].pop("id")
+        write_jsonl(tmp_path / f"{name}.jsonl", recs)
+        paths.append(str(tmp_path / f"{name}.jsonl"))
+    return paths
+
+
+def _expected_copies(cid, weight):
+    """Independent: floor(w), plus one when blake2b("mix:" + id) / 2**64 < w - floor(w)."""
+    frac = int(hashlib.blake2b(("mix:" + cid).encode(), digest_size=8).hexdigest(), 16) / 2 ** 64
+    return int(weight) + (frac < weight - int(weight))
+
+
+@pytest.mark.parametrize("weights", [(1.0, 1.0), (0.5, 2.0), (1.5, 0.0), (2.0, 0.25), (3.0, 1.7)])
+def test_mix_counts_per_source(smol, tmp_path, weights):
+    from eagle3.config import MixEntry
+
+    paths = _source_files(tmp_path)
+    mix = [MixEntry("jsonl", p, w) for p, w in zip(paths, weights)]
+    train, held, rep = build_samples(smol, "sharegpt", "", 0, 64, 0.2, mix=mix)
+    ids = [s.id for s in train + held]
+    want = {}
+    for name, n, w in (("mine", 40, weights[0]), ("theirs", 30, weights[1])):
+        convs = [f"{name}:{name[0]}{i}" if i != 5 or name == "mine" else f"{name}:jsonl:5" for i in range(n)]
+        want[name] = sum(_expected_copies(c, w) for c in convs)
+        for c in convs:
+            got = sorted(i for i in ids if i == c or i.startswith(c + "~copy"))
+            assert got == sorted([c] + [f"{c}~copy{k}" for k in range(1, _expected_copies(c, w))]
+                                 if _expected_copies(c, w) else [])
+    assert rep.samples_by_source == want and len(ids) == len(set(ids)) == sum(want.values())
+    assert (rep.read, rep.used, rep.samples) == (70, 70, len(ids))
+    if weights == (0.5, 2.0):
+        assert 10 <= want["mine"] <= 30 and want["theirs"] == 60
+    # deterministic: the same samples, in the same order, on a second build
+    again = build_samples(smol, "sharegpt", "", 0, 64, 0.2, mix=mix)
+    assert [(s.id, s.input_ids) for s in again[0] + again[1]] == [(s.id, s.input_ids) for s in train + held]
+
+
+def test_mix_copies_of_a_heldout_conversation_stay_held_out(smol, tmp_path):
+    from eagle3.config import MixEntry
+
+    paths = _source_files(tmp_path)
+    train, held, rep = build_samples(smol, "sharegpt", "", 0, 64, 0.3,
+                                     mix=[MixEntry("jsonl", paths[0], 2.5), MixEntry("jsonl", paths[1], 3.0)])
+
+    def conv(sid):
+        return sid.split("~copy")[0]
+
+    def independent(cid):
+        return int(hashlib.blake2b(cid.encode(), digest_size=8).hexdigest(), 16) / 2 ** 64 < 0.3
+    assert held and train and not {conv(s.id) for s in train} & {conv(s.id) for s in held}
+    assert all(independent(conv(s.id)) for s in held) and not any(independent(conv(s.id)) for s in train)
+    assert sum(1 for s in held if "~copy" in s.id) >= len({conv(s.id) for s in held})
+    # the split train.py applies to a feature dataset's sample ids agrees
+    assert all(is_heldout(s.id, 0.3) for s in held) and not any(is_heldout(s.id, 0.3) for s in train)
+
+
+def test_empty_mix_is_the_one_entry_form(smol, tmp_path):
+    from eagle3.config import MixEntry
+
+    path = _source_files(tmp_path)[1]
+    old = build_samples(smol, "jsonl", path, 7, 64, 0.2)
+    new = build_samples(smol, "sharegpt", "", 7, 64, 0.2, mix=[MixEntry("jsonl", path, 1.0)])
+    assert [(s.id, s.input_ids, s.loss_mask) for s in old[0] + old[1]] == \
+        [(s.id, s.input_ids, s.loss_mask) for s in new[0] + new[1]]
+    assert old[2].summary() == new[2].summary() and "theirs" not in old[0][0].id
+    assert data.mix_sources([], "jsonl", path) == [data.Source("", "jsonl", path, 1.0)]
+    with pytest.raises(ValueError, match="distinct names"):
+        data.mix_sources([MixEntry("jsonl", path), MixEntry("jsonl", path, 2.0)])
+    with pytest.raises(ValueError, match="unknown source"):
+        data.mix_sources([MixEntry("hf", path)])
+
+
+def test_mix_and_template_kwargs_compose_from_yaml_and_the_command_line():
+    from hydra import compose, initialize_config_dir
+
+    from eagle3 import config as schema
+    schema.register()
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base=None):
+        cfg = compose(config_name="train", overrides=[
+            "data.mix=[{source: sharegpt, weight: 0.5}, {source: jsonl, path: mine.jsonl, weight: 2}]",
+            "+target.chat_template_kwargs.thinking=false"])
+    c = schema.to_config(cfg)
+    assert [(e.source, e.path, e.weight) for e in c.data.mix] == [("sharegpt", "", 0.5), ("jsonl", "mine.jsonl", 2.0)]
+    assert isinstance(c.data.mix[0], schema.MixEntry) and c.target.chat_template_kwargs == {"thinking": False}
+    assert schema.to_config(_compose_default()).data.mix == []
+
+
+def _compose_default():
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base=None):
+        return compose(config_name="train", overrides=[])

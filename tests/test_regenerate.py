@@ -18,7 +18,7 @@ from eagle3 import data as D
 from eagle3 import chat
 from eagle3.config import CaptureConfig, DataConfig, TargetConfig
 from eagle3.data import build_samples, load_samples
-from eagle3.targets import resolve_target, smollm2_tokenizer, target_info
+from eagle3.targets import load_tokenizer, resolve_target, smollm2_tokenizer, target_info
 
 NEW = 6
 CONVS = [
@@ -153,12 +153,13 @@ def test_loading_only_reads_the_regenerated_conversations(tok, tmp_path, monkeyp
     cap = CaptureConfig(backend="hf", regenerate=True, regen_max_new_tokens=NEW, device="cpu")
     with pytest.raises(SystemExit) as stop:
         load_samples(target_dir, target, data, cap)
-    path = D.regenerated_path(target_info(target_dir).fingerprint, tok.chat_template, data, NEW)
+    (src,) = D.mix_sources(data.mix, data.source, data.path)
+    path = D.regenerated_path(target_info(target_dir).fingerprint, tok, src, data, NEW)
     assert str(path) in str(stop.value)
     assert "python -m capture +experiment=smollm2_peer capture.regenerate_only=true" in str(stop.value)
     assert not (tmp_path / "cache").exists()                  # nothing was generated
 
-    assert R.regenerate(target_dir, target, data, cap, tok, target_info(target_dir)) == path
+    assert R.regenerate(target_dir, target, data, cap, tok, target_info(target_dir)) == [path]
     tok2, train, _ = load_samples(target_dir, target, data, cap)
     recs = {r["id"]: r for r in read(path)}
     assert [s.id for s in train] == ["a", "b", "c"]
@@ -176,11 +177,11 @@ def test_a_stopped_regeneration_stays_partial_until_a_rerun_completes_it(tok, tm
     data = DataConfig(source="jsonl", path=str(src), max_length=256)
     cap = CaptureConfig(backend="hf", regenerate=True, regen_max_new_tokens=NEW, device="cpu", regen_chunk=1)
     info = target_info(target_dir)
-    path = D.regenerated_path(info.fingerprint, tok.chat_template, data, NEW)
+    path = D.regenerated_path(info.fingerprint, tok, D.mix_sources([], data.source, data.path)[0], data, NEW)
     partial = path.with_name(f"{path.stem}.partial.jsonl")
     partial.parent.mkdir(parents=True)
     partial.write_text(json.dumps({"id": "a", "messages": [], "regen": {}}) + "\n")   # as if stopped after "a"
-    assert R.regenerate(target_dir, target, data, cap, tok, info) == path
+    assert R.regenerate(target_dir, target, data, cap, tok, info) == [path]
     assert [r["id"] for r in read(path)] == ["a", "b", "c"] and not partial.exists()
 
 
@@ -194,7 +195,7 @@ def test_two_workers_write_the_same_cache_as_one(tok, tmp_path, monkeypatch):
         monkeypatch.setattr(D, "cache_root", lambda w=workers: tmp_path / f"cache{w}")
         cap = CaptureConfig(backend="hf", regenerate=True, regen_max_new_tokens=NEW, device="cpu",
                             regen_workers=workers)
-        caches.append(R.regenerate(target_dir, target, data, cap, tok, target_info(target_dir)))
+        caches += R.regenerate(target_dir, target, data, cap, tok, target_info(target_dir))
     assert caches[0].read_text() == caches[1].read_text()
     assert [r["id"] for r in read(caches[1])] == ["a", "b", "c"]
     assert sorted(p.name for p in caches[1].parent.iterdir()) == [caches[1].name]
@@ -208,11 +209,12 @@ def test_first_turns_under_a_length_select_the_same_conversations_for_regenerati
                      ("e", [{"role": "user", "content": "y" * 49}, {"role": "assistant", "content": "fine"}])]
     monkeypatch.setattr(R, "iter_conversations", lambda source, path: iter(convs))
     data = DataConfig(source="jsonl", turns=1, max_prompt_chars=50)
-    picked = R.source_conversations(data)
+    src = D.Source("", "jsonl", "")
+    picked = R.source_conversations(src, data)
     assert [cid for cid, _ in picked] == ["a", "b", "c", "e"]
     assert [m["content"] for m in dict(picked)["a"]] == ["Name a colour.", "Blue."]
     assert [m["content"] for m in dict(picked)["c"]] == ["I speak first.", "Why?"]
-    assert R.source_conversations(DataConfig(source="jsonl", turns=1, max_prompt_chars=50, num_samples=2)) \
+    assert R.source_conversations(src, DataConfig(source="jsonl", turns=1, max_prompt_chars=50, num_samples=2)) \
         == picked[:2]
 
 
@@ -228,6 +230,84 @@ def test_build_samples_applies_the_same_selection(tok, tmp_path):
     assert "Blue." in text and "Another one?" not in text
     full, _, _ = build_samples(tok, "jsonl", str(src), 0, 256, 0.0)
     assert len(train[0].input_ids) < len(full[0].input_ids)
+
+
+def test_a_two_source_mix_keeps_every_user_prompt_and_its_weights(tok, tmp_path, monkeypatch):
+    """data.mix of two files, weights 1 and 2: each source is answered once into its own cache file
+    (a weight changes how often an answer is used, not the answer), every user turn of both sources
+    is kept word for word, and training reads the answers with the sources' names and weights."""
+    from eagle3.config import MixEntry
+
+    monkeypatch.setattr(D, "cache_root", lambda: tmp_path / "cache")
+    _, target, target_dir = tiny_target_and_source(tmp_path)
+    sources = {"mine": CONVS[:2], "theirs": CONVS[2:] + [("d", [{"role": "user", "content": "One more question."}])]}
+    for name, convs in sources.items():
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"id": c, "messages": m}) + "\n" for c, m in convs))
+    mix = [MixEntry("jsonl", str(tmp_path / "mine.jsonl"), 1.0), MixEntry("jsonl", str(tmp_path / "theirs.jsonl"), 2.0)]
+    data = DataConfig(mix=mix, max_length=256, heldout_fraction=0.0)
+    cap = CaptureConfig(backend="hf", regenerate=True, regen_max_new_tokens=NEW, device="cpu")
+    info = target_info(target_dir)
+    paths = R.regenerate(target_dir, target, data, cap, tok, info)
+    assert len(paths) == 2 and all(p.exists() for p in paths)
+    for path, (name, convs) in zip(paths, sources.items()):
+        recs = read(path)
+        assert [r["id"] for r in recs] == [c for c, _ in convs]
+        for r, (_, msgs) in zip(recs, convs):
+            assert [m for m in r["messages"] if m["role"] != "assistant"] == [m for m in msgs if m["role"] != "assistant"]
+    heavier = DataConfig(mix=[mix[0], MixEntry("jsonl", mix[1].path, 3.0)], max_length=256)
+    assert R.regenerate(target_dir, target, heavier, cap, tok, info) == paths     # nothing to answer again
+    _, train, _ = load_samples(target_dir, target, data, cap)
+    assert [s.id for s in train] == ["mine:a", "mine:b", "theirs:c", "theirs:c~copy1", "theirs:d", "theirs:d~copy1"]
+    text = "".join(tok.decode(s.input_ids) for s in train)
+    for _, convs in sources.items():
+        for _, msgs in convs:
+            assert all(m["content"] in text for m in msgs if m["role"] == "user")
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_regeneration_evaluation_and_training_render_the_same_prompt(tmp_path, monkeypatch, thinking):
+    """With a Kimi-style template and target.chat_template_kwargs={thinking: ...}: the prompt the
+    regeneration sends the engine, evaluation's prompt for the same conversation and the prompt part
+    of the training sample are the same tokens; the sample's loss covers exactly what the engine
+    returned (reasoning included when thinking is on) and the end-of-turn token."""
+    from eagle3 import evaluation as ev
+
+    monkeypatch.setattr(D, "cache_root", lambda: tmp_path / "cache")
+    _, target, target_dir = tiny_target_and_source(tmp_path)
+    target.chat_template = "tests/templates/kimi_style.jinja"
+    target.chat_template_kwargs = {"thinking": thinking}
+    tok = chat.load_tokenizer(target_dir, target)
+    src = tmp_path / "q.jsonl"
+    conv = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."},
+            {"role": "assistant", "content": "Blue."}]
+    src.write_text(json.dumps({"id": "q", "messages": conv}) + "\n")
+    answer = ("Colours: pick one.</think>" if thinking else "") + "Green."
+    sent = []
+
+    def engine(model, stop_ids, max_new_tokens, batch_size):
+        return lambda prompts: sent.extend(prompts) or [(tok.encode(answer, add_special_tokens=False), True)
+                                                        for _ in prompts]
+    monkeypatch.setattr(R, "load_target_model", lambda *a, **k: None)
+    monkeypatch.setattr(R, "hf_generate", engine)
+    data = DataConfig(source="jsonl", path=str(src), max_length=256, heldout_fraction=0.0)
+    cap = CaptureConfig(backend="hf", regenerate=True, regen_max_new_tokens=NEW, device="cpu")
+    unbound = load_tokenizer(target_dir, target.chat_template)    # as python -m capture passes it
+    (path,) = R.regenerate(target_dir, target, data, cap, unbound, target_info(target_dir))
+    (regen_prompt,) = sent
+    prompt_text = tok.decode(regen_prompt)
+    assert prompt_text.endswith("<|im_assistant|>assistant<|im_middle|>" + ("<think>" if thinking else "<think></think>"))
+
+    (p,) = ev.load_prompts(str(src), 0)
+    assert chat.render_prompt(chat.load_tokenizer(target_dir, target), p.messages) == regen_prompt
+
+    (rec,) = read(path)
+    assert rec["messages"][-1] == ({"role": "assistant", "content": "Green.", "reasoning_content": "Colours: pick one."}
+                                   if thinking else {"role": "assistant", "content": "Green."})
+    _, train, _ = load_samples(target_dir, target, data, cap)
+    (s,) = train
+    first = s.loss_mask.index(1)
+    assert s.input_ids[:first] == regen_prompt and all(s.loss_mask[first:])
+    assert tok.decode(s.input_ids[first:]) == answer + "<|im_end|>"
 
 
 def test_static_greedy_equals_generate_on_a_padded_batch(tok, model):
