@@ -253,7 +253,7 @@ def prepare_drafters(paths: List[str], backend: str, info) -> List[dict]:
 
 
 def evaluate(c: Config) -> Dict[str, Path]:
-    from eagle3.targets import load_tokenizer, prepare_target
+    from eagle3.targets import prepare_target
     e = c.eval
     if not e.drafters:
         raise ValueError("eval.drafters is empty: pass export dirs or run dirs, e.g. eval.drafters=[runs/smollm2]")
@@ -271,10 +271,10 @@ def evaluate(c: Config) -> Dict[str, Path]:
     target = prepare_target(t.source, t.path, t.name, t.arch, t.random_config, t.seed, c.aux_layers)
     target_dir, info = target.dir, target.info
     drafters = prepare_drafters(list(e.drafters), e.backend, info)
-    tokenizer = load_tokenizer(target_dir, t.chat_template, t.trust_remote_code)
+    tokenizer = chat.load_tokenizer(target_dir, t)
     stop = chat.stop_ids(tokenizer, target_dir)
     prompt_sets = {ev.prompt_set_name(s): ev.load_prompts(s, e.num_prompts, c.data.source, c.data.path,
-                                                          c.data.heldout_fraction) for s in e.prompts}
+                                                          c.data.heldout_fraction, c.data.mix) for s in e.prompts}
     print(f"[eval] {len(drafters)} drafter(s) x chains {chains} on " + ", ".join(
         f"{name} ({len(ps)} prompts)" for name, ps in prompt_sets.items()), file=sys.stderr)
     reference = next((d["name"] for d in drafters if e.reference in (d["name"], d["path"])), None)

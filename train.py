@@ -25,7 +25,7 @@ import torch
 from accelerate.utils import DistributedType
 from omegaconf import OmegaConf
 
-from eagle3 import checkpoint, config as config_schema, fused
+from eagle3 import chat, checkpoint, config as config_schema, fused
 from eagle3.data import is_heldout
 from eagle3.export import write_export
 from eagle3.features import Batch, FeatureDataset, check_compatible, collate, template_sha256
@@ -36,7 +36,7 @@ from eagle3.optim import adamw, clip_grad_norm
 from eagle3.plots import plot_runs
 from capture.run import capture_features
 from capture.sglang_server import free_port
-from eagle3.targets import load_final_norm, load_head, load_tokenizer, prepare_target
+from eagle3.targets import load_final_norm, load_head, prepare_target
 from eagle3.training import RATE_WINDOW, Logger, Objective, StepStats, eta_seconds
 from eagle3.vocab import DraftVocab, build_vocab, count_tokens
 
@@ -257,7 +257,7 @@ def offline_data(c, target) -> Data:
     """The feature dataset at data.features_dir, checked against the target, aux layers and chat template."""
     features_dir = Path(c.data.features_dir)
     ds = FeatureDataset(features_dir)
-    tok = load_tokenizer(target.dir, c.target.chat_template, c.target.trust_remote_code)
+    tok = chat.load_tokenizer(target.dir, c.target)
     check_compatible(ds.manifest, {"target": {"fingerprint": target.info.fingerprint}, "aux_layers": target.aux_layers,
                                    "hidden_size": target.info.hidden_size,
                                    "tokenizer": {"chat_template_sha256": template_sha256(tok.chat_template)}},

@@ -17,7 +17,8 @@ from pathlib import Path
 import hydra
 
 from eagle3 import config as config_schema
-from eagle3.targets import load_tokenizer, prepare_target
+from eagle3 import chat
+from eagle3.targets import prepare_target
 
 config_schema.register()
 
@@ -30,9 +31,8 @@ def main(cfg) -> None:
     if c.capture.regenerate_only:
         from capture.regenerate import regenerate
 
-        tok = load_tokenizer(target.dir, t.chat_template, t.trust_remote_code)
-        path = regenerate(target.dir, t, c.data, c.capture, tok, target.info)
-        print(f"[capture] regenerated conversations: {path}")
+        paths = regenerate(target.dir, t, c.data, c.capture, chat.load_tokenizer(target.dir, t), target.info)
+        print("[capture] regenerated conversations: " + "  ".join(str(p) for p in paths))
         return
     from capture.run import capture_features
 

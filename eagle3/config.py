@@ -34,14 +34,6 @@ class TargetConfig:
     chat_template_kwargs: Dict[str, Any] = field(default_factory=dict)
     trust_remote_code: bool = False
     dtype: str = "auto"                        # auto: bf16 on GPU, fp32 on CPU
-    chat_template_kwargs: Dict[str, Any] = field(default_factory=dict)   # passed to the chat template (e.g. {thinking: true})
-
-
-@dataclass
-class MixEntry:
-    source: str = "sharegpt"
-    path: str = ""
-    weight: float = 1.0
 
 
 @dataclass
@@ -69,7 +61,6 @@ class DataConfig:
     turns: int = 0                            # user turns kept per conversation, with their answers (0 = all)
     max_prompt_chars: int = 0                 # skip conversations whose first user turn is this long (0 = no limit)
     features_dir: str = ""                    # the feature dataset (offline training reads it, capture writes it)
-    mix: List[MixEntry] = field(default_factory=list)   # several sources, each with a weight
 
 
 @dataclass
