@@ -19,7 +19,8 @@ Tensors sit in the file in descending element size, so every one starts aligned 
 size and can be viewed straight out of the memory map. The writer fixes every shard's layout up front from the
 ordered sample list (plan_shards), writes each sample at its place, and commits a shard by renaming
 it; so shards do not depend on the order samples arrive in, and a killed capture that resumes ends
-byte-identical to one that never stopped.
+byte-identical to one that never stopped. Each shard's sha256, taken at commit, is in the manifest;
+the reader checks it the first time a process maps the shard, so a flipped bit is refused by name.
 """
 from __future__ import annotations
 
@@ -35,8 +36,9 @@ import numpy as np
 import torch
 
 from eagle3.shards import (AUX_DTYPES, FLOAT_DTYPES, FORMAT, FORMAT_VERSION, FP8, FeatureDatasetError,
-                           OpenShard, check_shard, dequantize_fp8, np_bytes, quantize_fp8, shard_name,
-                           tensor_views)
+                           OpenShard, check_sha256, check_shard, dequantize_fp8, file_sha256, np_bytes,
+                           quantize_fp8, shard_name, tensor_views)
+from eagle3.durable import fsync_dir
 
 AUX_MEANING = ("residual stream entering decoder layer i = transformers output_hidden_states[i] "
                "(hidden_states + residual in engines that keep the residual separate)")
@@ -191,7 +193,8 @@ class FeatureWriter:
                                           + f". Delete {self.partial} to start over.")
             for s, rec in old["done"].items():
                 f = self.partial / shard_name(int(s))
-                if f.exists() and f.stat().st_size == rec["num_bytes"]:
+                if f.exists() and f.stat().st_size == rec["num_bytes"] and \
+                        rec.get("sha256", "") in ("", file_sha256(f)):
                     self.done[int(s)] = rec
         self.partial.mkdir(parents=True, exist_ok=True)
         keep = {shard_name(s) for s in self.done}
@@ -240,9 +243,9 @@ class FeatureWriter:
             arrays["aux"] = np_bytes(aux, FLOAT_DTYPES[self.aux_dtype][0])
         shard.write(j, arrays)
         if not shard.pending:
-            nbytes = shard.commit()
+            nbytes, digest = shard.commit()
             del self.open[s]
-            self.done[s] = {"num_bytes": nbytes, "num_loss_tokens": shard.loss_tokens}
+            self.done[s] = {"num_bytes": nbytes, "num_loss_tokens": shard.loss_tokens, "sha256": digest}
             self._save_progress()
 
     def finish(self) -> Path:
@@ -256,6 +259,7 @@ class FeatureWriter:
                            "num_tokens": sum(self.lengths[i] for i in idx),
                            "num_bytes": self.done[s]["num_bytes"],
                            "num_loss_tokens": self.done[s]["num_loss_tokens"],
+                           **({"sha256": self.done[s]["sha256"]} if "sha256" in self.done[s] else {}),
                            "sample_ids": [self.ids[i] for i in idx]})
         tokens = sum(sh["num_tokens"] for sh in shards)
         nbytes = sum(sh["num_bytes"] for sh in shards)
@@ -273,9 +277,7 @@ class FeatureWriter:
         _atomic_json(self.partial / MANIFEST, manifest)
         (self.partial / PROGRESS).unlink()
         os.rename(self.partial, self.path)
-        fd = os.open(self.path.parent, os.O_RDONLY)   # make the rename durable
-        os.fsync(fd)
-        os.close(fd)
+        fsync_dir(self.path.parent)                   # make the rename durable
         return self.path
 
 
@@ -339,6 +341,7 @@ class FeatureDataset:
             path = self.path / rec["file"]
             header, start = check_shard(path, rec, self.manifest)
             mm = np.memmap(path, dtype=np.uint8, mode="c")
+            check_sha256(path, mm, rec)
             self._maps[s] = tensor_views(mm[start:], header)
         return self._maps[s]
 
