@@ -228,6 +228,11 @@ class FeatureWriter:
             if tuple(parts[name].shape) != shape:
                 raise ValueError(f"sample {sample_id!r}: {name} has shape {tuple(parts[name].shape)}, "
                                  f"expected {shape}")
+        for name in ("aux", "final"):                 # a NaN here would surface steps later as a NaN loss
+            bad = int((~torch.isfinite(parts[name])).sum())
+            if bad:
+                raise FeatureDatasetError(f"sample {sample_id!r}: {name} holds {bad} non-finite values (NaN/Inf): "
+                                          f"the target overflowed its dtype on this sample")
         if s not in self.open:
             lengths = [self.lengths[i] for i in self.plan[s]]
             self.open[s] = OpenShard(self.partial / shard_name(s), lengths, self.num_aux, self.hidden,

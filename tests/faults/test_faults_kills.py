@@ -1,0 +1,34 @@
+"""The CI subset of `python -m eagle3.faults`: each job kind is killed twice at seeded moments, one
+drawn over the whole job and one while it writes, resumed, and compared with its uninterrupted run.
+A few minutes on 2 CPU cores; the large counts go through the command (docs/reliability.md).
+
+Run: .venv/bin/python -m pytest tests/faults/test_faults_kills.py -q
+"""
+import pytest
+
+from eagle3.faults import KINDS, Harness, draw_delays, table
+
+SEED = 0
+
+
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory):
+    return Harness(tmp_path_factory.mktemp("faults"), log=lambda _: None)
+
+
+def test_delays_are_seeded_per_kind_so_a_failure_replays():
+    assert draw_delays(3, "train", 4, 10.0, 6.0) == draw_delays(3, "train", 4, 10.0, 6.0)
+    assert draw_delays(3, "train", 4, 10.0, 6.0) != draw_delays(3, "export", 4, 10.0, 6.0)
+    late = draw_delays(3, "train", 40, 10.0, 6.0)[1::2]
+    assert all(5.0 <= d <= 10.0 for d in late)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_killed_job_resumes_to_the_uninterrupted_result(harness, kind):
+    harness.reference(kind)
+    delays = draw_delays(SEED, kind, 2, harness.typical[kind], harness.writing[kind])
+    outcomes = [harness.one(kind, i, d) for i, d in enumerate(delays)]
+    for o in outcomes:
+        assert o.survived, f"{kind} killed at {o.delay}s (replay: python -m eagle3.faults --kinds {kind} " \
+                           f"--runs 1 --delay {o.delay}): {o.problems}"
+    assert f"| {kind} | 2 |" in table(outcomes, SEED, 2)
