@@ -54,3 +54,18 @@ def disk_full(path: Path, need: Optional[int], what: str) -> OSError:
     need_s = f"needs {need:,} bytes" if need else "needs more space"
     return OSError(errno.ENOSPC, f"no space left on device writing {path}: {what} {need_s}, "
                                  f"{free:,} bytes free on that filesystem")
+
+
+def save_safetensors(tensors, path: Path, metadata=None) -> None:
+    """safetensors' save_file, made atomic: a kill mid-write leaves the previous file (or none)."""
+    from safetensors.torch import save_file
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata=metadata)
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)

@@ -134,3 +134,24 @@ def test_export_on_a_full_disk_keeps_the_previous_export(tmp_path, monkeypatch):
     after = load_file(str(tmp_path / "export" / "vllm" / "model.safetensors"))
     assert all(torch.equal(before[k], after[k]) for k in before)
     json.loads((tmp_path / "export" / "sglang" / "config.json").read_text())
+
+
+def test_a_draft_vocab_write_that_fails_keeps_the_previous_file(tmp_path, monkeypatch):
+    """train.py's resume reads run_dir/vocab.safetensors back, so a write cut short must not replace it."""
+    import safetensors.torch
+    from eagle3.vocab import DraftVocab
+    v = DraftVocab(torch.tensor([0, 1]), torch.tensor([True, False, True, False, False]))
+    v.save(tmp_path / "vocab.safetensors")
+    real = safetensors.torch.save_file
+
+    def full(tensors, path, metadata=None):
+        real(tensors, path, metadata=metadata)
+        with open(path, "r+b") as f:
+            f.truncate(20)
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    with pytest.raises(OSError):
+        DraftVocab(torch.tensor([1, 1]), torch.tensor([False, True, False, True, False])).save(
+            tmp_path / "vocab.safetensors")
+    monkeypatch.undo()
+    assert torch.equal(DraftVocab.load(tmp_path / "vocab.safetensors").d2t, v.d2t)
