@@ -61,8 +61,8 @@ class Outcome:
 
 
 class Harness:
-    def __init__(self, work: Path, log: Callable[[str], None] = print):
-        self.work, self.log = Path(work), log
+    def __init__(self, work: Path):
+        self.work = Path(work)
         self.work.mkdir(parents=True, exist_ok=True)
         self.env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", HYDRA_FULL_ERROR="1",
                         TOKENIZERS_PARALLELISM="false", EAGLE3_CACHE=str(self.work / "cache"))

@@ -13,7 +13,7 @@ SEED = 0
 
 @pytest.fixture(scope="module")
 def harness(tmp_path_factory):
-    return Harness(tmp_path_factory.mktemp("faults"), log=lambda _: None)
+    return Harness(tmp_path_factory.mktemp("faults"))
 
 
 def test_delays_are_seeded_per_kind_so_a_failure_replays():
