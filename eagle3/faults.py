@@ -171,7 +171,8 @@ class Harness:
             o.problems = same_training(self.work / "ref_run", d / "run")
         elif kind == "export":
             run = d / "run"
-            shutil.copytree(self.work / "ref_run", run)
+            shutil.copytree(self.work / "ref_run", run, ignore=lambda d, names: ["export"] if d == str(
+                self.work / "ref_run") else [])                       # a run cut short: no export yet
             o.landed = self.kill_after(["-m", "eagle3.export", str(run)], delay, log)
             o.after_commit = (run / "export" / "sglang" / "config.json").exists()
             self.run(["-m", "eagle3.export", str(run)], log)
