@@ -322,10 +322,11 @@ class FeatureDataset:
             np.zeros(0, dtype=np.int64)
         self._ids = [sid for r in shards for sid in r["sample_ids"]]
         self._maps: Dict[int, Dict[str, torch.Tensor]] = {}
+        self._unverified: Dict[int, np.memmap] = {}
 
-    def __getstate__(self):                           # DataLoader workers re-map on their own
+    def __getstate__(self):                           # DataLoader workers re-map (and re-check) on their own
         state = dict(self.__dict__)
-        state["_maps"] = {}
+        state["_maps"], state["_unverified"] = {}, {}
         return state
 
     def __len__(self) -> int:
@@ -346,12 +347,22 @@ class FeatureDataset:
             path = self.path / rec["file"]
             header, start = check_shard(path, rec, self.manifest)
             mm = np.memmap(path, dtype=np.uint8, mode="c")
-            check_sha256(path, mm, rec)
             self._maps[s] = tensor_views(mm[start:], header)
+            self._unverified[s] = mm
         return self._maps[s]
 
+    def _verified(self, s: int) -> Dict[str, torch.Tensor]:
+        """The shard's tensors, its sha256 checked on first use in this process (length() reads only
+        offsets, so planning batches over a large dataset does not hash it all up front)."""
+        t = self._tensors(s)
+        if s in self._unverified:
+            check_sha256(self.path / self.manifest["shards"][s]["file"], self._unverified[s],
+                         self.manifest["shards"][s])
+            del self._unverified[s]
+        return t
+
     def __getitem__(self, i: int) -> Dict[str, torch.Tensor]:
-        t = self._tensors(int(self._shard[i]))
+        t = self._verified(int(self._shard[i]))
         j = int(self._local[i])
         a, b = int(t["offsets"][j]), int(t["offsets"][j + 1])
         aux = t["aux"][a:b] if "aux_scale" not in t else dequantize_fp8(t["aux"][a:b], t["aux_scale"][a:b])
@@ -365,7 +376,7 @@ class FeatureDataset:
             if not path.exists():
                 raise FeatureDatasetError(f"{rec['file']}: missing from {self.path}")
             check_shard(path, rec, self.manifest)
-            t = self._tensors(s)
+            t = self._verified(s)
             off = t["offsets"]
             if int(off[0]) != 0 or int(off[-1]) != rec["num_tokens"] or bool((off[1:] < off[:-1]).any()):
                 raise FeatureDatasetError(f"{rec['file']}: offsets are not monotone from 0 to "

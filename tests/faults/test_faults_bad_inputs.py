@@ -62,6 +62,7 @@ def test_a_bit_flipped_shard_is_refused_by_name_when_first_read(tmp_path):
         ds[i]
     flip_bit(path / "shard-00001.safetensors")               # same size, same header: only the hash sees it
     ds = FeatureDataset(path)                                # opening stays cheap: a stat per shard
+    assert all(ds.length(i) > 0 for i in range(len(ds)))    # lengths read offsets only, nothing is hashed
     ds[0]                                                    # shard 0 is intact
     with pytest.raises(FeatureDatasetError, match=r"shard-00001\.safetensors: its bytes do not match the sha256"):
         for i in range(len(ds)):
