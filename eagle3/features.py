@@ -20,7 +20,8 @@ size and can be viewed straight out of the memory map. The writer fixes every sh
 ordered sample list (plan_shards), writes each sample at its place, and commits a shard by renaming
 it; so shards do not depend on the order samples arrive in, and a killed capture that resumes ends
 byte-identical to one that never stopped. Each shard's sha256, taken at commit, is in the manifest;
-the reader checks it the first time a process maps the shard, so a flipped bit is refused by name.
+the reader checks it the first time a process reads a sample of the shard, so a flipped bit is
+refused by name.
 """
 from __future__ import annotations
 
