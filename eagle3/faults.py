@@ -2,11 +2,13 @@
 
     python -m eagle3.faults --runs 5 --seed 0                       # 5 kills of each job kind
     python -m eagle3.faults --runs 50 --seed 1 --out table.md       # the docs/reliability.md table
-    python -m eagle3.faults --kinds train --runs 1 --delay 9.3      # replay one kill (delay from the log)
+    python -m eagle3.faults --kinds train --runs 1 --delay 9.3      # replay one kill (from the log)
+    python -m eagle3.faults --kinds capture --runs 1 --delay 0.4 --from-write
 
 Each kind runs once uninterrupted (the reference), then `runs` times: start the job, SIGKILL its
-process group after a delay drawn (seeded) in [0, the reference's wall time] (half of them from just
-before the reference first wrote its output, so they land in the work, not the imports), rerun the same command
+process group after a delay drawn (seeded) in [0, the reference's wall time] (every other one counted
+from the moment the job first writes its output, in [0, the reference's time from there], so it lands
+in the work, not the imports), rerun the same command
 (train: with resume=true) to completion, and compare with the reference:
 
     capture     python -m capture +experiment=tiny            every tensor of every shard, and the manifest
@@ -54,6 +56,7 @@ class Outcome:
     kind: str
     index: int
     delay: float
+    from_write: bool = False           # delay counted from the job's first write, not its start
     landed: bool = False               # the job was still running when it was killed
     after_commit: bool = False         # ... and had committed something (a shard, chunk, checkpoint)
     survived: bool = False
@@ -89,9 +92,13 @@ class Harness:
             raise RuntimeError(f"{' '.join(args)} failed ({p.returncode}); {self.work / logname}:\n{tail}")
         return time.time() - t0, first
 
-    def kill_after(self, args: List[str], delay: float, logname: str) -> bool:
-        """Start the job, SIGKILL its whole process group after `delay` s; True if it was still running."""
+    def kill_after(self, args: List[str], delay: float, logname: str,
+                   marker: Optional[Callable[[], bool]] = None) -> bool:
+        """Start the job, SIGKILL its whole process group `delay` s after its start (or after marker()
+        first holds); True if it was still running."""
         p = self._popen(args, logname)
+        while marker is not None and p.poll() is None and not marker():
+            time.sleep(0.01)
         try:
             p.wait(timeout=delay)
             return False
@@ -140,24 +147,27 @@ class Harness:
         if kind == "regenerate" and "regenerate" not in self.typical:
             shutil.rmtree(w / "cache" / "regen", ignore_errors=True)
             self.typical["regenerate"], self.writing["regenerate"] = self.run(
-                self.regen_args(), "ref_regen.log", lambda: (w / "cache" / "regen").exists())
+                self.regen_args(), "ref_regen.log", lambda: any((w / "cache" / "regen").glob("*.partial.jsonl")))
             shutil.move(self.regen_file(), w / "ref_regen.jsonl")
 
-    def one(self, kind: str, index: int, delay: float) -> Outcome:
-        o = Outcome(kind, index, round(delay, 3))
+    def one(self, kind: str, index: int, delay: float, from_write: bool = False) -> Outcome:
+        o = Outcome(kind, index, round(delay, 3), from_write)
+        when = (lambda m: m) if from_write else (lambda m: None)
         d = self.work / f"{kind}_{index:04d}"
         shutil.rmtree(d, ignore_errors=True)
         d.mkdir(parents=True)
         log = f"{d.name}.log"
         if kind == "capture":
-            o.landed = self.kill_after(self.capture_args(d / "features"), delay, log)
+            o.landed = self.kill_after(self.capture_args(d / "features"), delay, log,
+                                       when(lambda: any((d / "features.partial").glob("shard-*"))))
             progress = d / "features.partial" / "progress.json"
             o.after_commit = progress.exists() and bool(json.loads(progress.read_text())["done"])
             self.run(self.capture_args(d / "features"), log)
             o.problems = same_dataset(self.work / "ref_features", d / "features")
         elif kind == "regenerate":
             shutil.rmtree(self.work / "cache" / "regen", ignore_errors=True)
-            o.landed = self.kill_after(self.regen_args(), delay, log)
+            o.landed = self.kill_after(self.regen_args(), delay, log,
+                                       when(lambda: any((self.work / "cache" / "regen").glob("*.partial.jsonl"))))
             partial = list((self.work / "cache" / "regen").glob("*.partial.jsonl"))
             o.after_commit = bool(partial) and partial[0].stat().st_size > 0
             self.run(self.regen_args(), log)
@@ -165,7 +175,8 @@ class Harness:
             o.problems = [] if got and got.read_bytes() == (self.work / "ref_regen.jsonl").read_bytes() else \
                 [f"regenerated file {got} differs from the uninterrupted run's"]
         elif kind == "train":
-            o.landed = self.kill_after(self.train_args(d / "run", False), delay, log)
+            o.landed = self.kill_after(self.train_args(d / "run", False), delay, log,
+                                       when(lambda: (d / "run" / "metrics.jsonl").exists()))
             o.after_commit = (d / "run" / "checkpoints" / "latest").exists()
             self.run(self.train_args(d / "run", True), log)
             o.problems = same_training(self.work / "ref_run", d / "run")
@@ -173,7 +184,8 @@ class Harness:
             run = d / "run"
             shutil.copytree(self.work / "ref_run", run, ignore=lambda d, names: ["export"] if d == str(
                 self.work / "ref_run") else [])                       # a run cut short: no export yet
-            o.landed = self.kill_after(["-m", "eagle3.export", str(run)], delay, log)
+            o.landed = self.kill_after(["-m", "eagle3.export", str(run)], delay, log,
+                                       when(lambda: (run / "export").exists()))
             o.after_commit = (run / "export" / "sglang" / "config.json").exists()
             self.run(["-m", "eagle3.export", str(run)], log)
             o.problems = same_export(self.work / "ref_export_run" / "export", run / "export")
@@ -243,12 +255,14 @@ def same_training(ref: Path, got: Path) -> List[str]:
 
 # ---------------------------------------------------------------------- command
 
-def draw_delays(seed: int, kind: str, runs: int, typical: float, writing: float) -> List[float]:
-    """Half the kills anywhere in [0, typical], half in [writing - 1 s, typical]: a tiny job spends
-    most of its wall time importing and loading, and a kill there tests little. Seeded per kind, so
-    one kind's delays do not move when another kind is added."""
+def draw_delays(seed: int, kind: str, runs: int, typical: float, writing: float) -> List[tuple]:
+    """(delay, from_write) per run: even runs anywhere in [0, typical] from the start, odd runs in
+    [0, typical - writing] from the job's first write: a tiny job spends most of its wall time
+    importing and loading, and a kill there tests little. Seeded per kind, so one kind's delays do
+    not move when another kind is added."""
     rng = random.Random(f"{seed}:{kind}")
-    return [rng.uniform(0 if i % 2 == 0 else max(0.0, writing - 1.0), typical) for i in range(runs)]
+    return [(rng.uniform(0, typical), False) if i % 2 == 0 else (rng.uniform(0, max(typical - writing, 0.1)), True)
+            for i in range(runs)]
 
 
 def table(outcomes: List[Outcome], seed: int, runs: int) -> str:
@@ -271,6 +285,7 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0, help="seeds the kill delays, so a failing run replays")
     p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
     p.add_argument("--delay", type=float, default=None, help="kill after this many seconds instead of drawing")
+    p.add_argument("--from-write", action="store_true", help="count --delay from the job's first write")
     p.add_argument("--work", type=Path, default=None, help="scratch directory (default: a fresh temporary one)")
     p.add_argument("--out", type=Path, default=None, help="write the markdown table here")
     p.add_argument("--summarize", type=Path, default=None, metavar="RESULTS_JSONL",
@@ -285,19 +300,19 @@ def main(argv=None) -> int:
         delays = {}
         for kind in args.kinds:
             h.reference(kind)
-            delays[kind] = [args.delay] * args.runs if args.delay is not None else \
+            delays[kind] = [(args.delay, args.from_write)] * args.runs if args.delay is not None else \
                 draw_delays(args.seed, kind, args.runs, h.typical[kind], h.writing[kind])
             print(f"[faults] {kind}: reference {h.typical[kind]:.1f}s, writing from {h.writing[kind]:.1f}s",
                   flush=True)
         outcomes = []
         for i in range(args.runs):                  # kinds take turns, so a run cut short covers them all
             for kind in args.kinds:
-                o = h.one(kind, i, delays[kind][i])
+                o = h.one(kind, i, *delays[kind][i])
                 outcomes.append(o)
                 with open(results, "a") as f:
                     f.write(json.dumps(o.__dict__) + "\n")
                 state = "ok" if o.survived else "FAILED: " + "; ".join(o.problems[:3])
-                print(f"[faults] {kind} #{i} kill at {o.delay:.2f}s landed={o.landed} "
+                print(f"[faults] {kind} #{i} kill at {o.delay:.2f}s from_write={o.from_write} landed={o.landed} "
                       f"after_commit={o.after_commit} {state}", flush=True)
     runs = max((o.index for o in outcomes), default=-1) + 1 if args.summarize else args.runs
     text = table(outcomes, args.seed, runs)

@@ -1,5 +1,5 @@
 """The CI subset of `python -m eagle3.faults`: each job kind is killed twice at seeded moments, one
-drawn over the whole job and one while it writes, resumed, and compared with its uninterrupted run.
+drawn over the whole job and one counted from its first write, resumed, and compared with its uninterrupted run.
 A few minutes on 2 CPU cores; the large counts go through the command (docs/reliability.md).
 
 Run: .venv/bin/python -m pytest tests/faults/test_faults_kills.py -q
@@ -19,16 +19,17 @@ def harness(tmp_path_factory):
 def test_delays_are_seeded_per_kind_so_a_failure_replays():
     assert draw_delays(3, "train", 4, 10.0, 6.0) == draw_delays(3, "train", 4, 10.0, 6.0)
     assert draw_delays(3, "train", 4, 10.0, 6.0) != draw_delays(3, "export", 4, 10.0, 6.0)
-    late = draw_delays(3, "train", 40, 10.0, 6.0)[1::2]
-    assert all(5.0 <= d <= 10.0 for d in late)
+    drawn = draw_delays(3, "train", 40, 10.0, 6.0)
+    assert all(not w and 0 <= d <= 10.0 for d, w in drawn[0::2])
+    assert all(w and 0 <= d <= 4.0 for d, w in drawn[1::2])
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_killed_job_resumes_to_the_uninterrupted_result(harness, kind):
     harness.reference(kind)
     delays = draw_delays(SEED, kind, 2, harness.typical[kind], harness.writing[kind])
-    outcomes = [harness.one(kind, i, d) for i, d in enumerate(delays)]
+    outcomes = [harness.one(kind, i, d, w) for i, (d, w) in enumerate(delays)]
     for o in outcomes:
         assert o.survived, f"{kind} killed at {o.delay}s (replay: python -m eagle3.faults --kinds {kind} " \
-                           f"--runs 1 --delay {o.delay}): {o.problems}"
+                           f"--runs 1 --delay {o.delay}{' --from-write' if o.from_write else ''}): {o.problems}"
     assert f"| {kind} | 2 |" in table(outcomes, SEED, 2)
