@@ -266,7 +266,7 @@ def draw_delays(seed: int, kind: str, runs: int, typical: float, writing: float)
 
 
 def table(outcomes: List[Outcome], seed: int, runs: int) -> str:
-    lines = ["| job | kills | landed while running | after a commit | survived | data lost | reproduce |",
+    lines = ["| job | runs | killed while running | ... after a commit | survived | data lost | reproduce |",
              "|---|---|---|---|---|---|---|"]
     for kind in KINDS:
         mine = [o for o in outcomes if o.kind == kind]
