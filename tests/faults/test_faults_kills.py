@@ -6,7 +6,7 @@ Run: .venv/bin/python -m pytest tests/faults/test_faults_kills.py -q
 """
 import pytest
 
-from eagle3.faults import KINDS, Harness, draw_delays, table
+from eagle3.faults import KINDS, Harness, draw_delays, same_dataset, table
 
 SEED = 0
 
@@ -33,3 +33,18 @@ def test_killed_job_resumes_to_the_uninterrupted_result(harness, kind):
         assert o.survived, f"{kind} killed at {o.delay}s (replay: python -m eagle3.faults --kinds {kind} " \
                            f"--runs 1 --delay {o.delay}{' --from-write' if o.from_write else ''}): {o.problems}"
     assert f"| {kind} | 2 |" in table(outcomes, SEED, 2)
+
+
+def test_killed_sglang_client_resumes_to_the_uninterrupted_dataset(harness):
+    """The SGLang capture client, its packer and the fake server in one process (tests/faults/sglang_job.py),
+    killed once anywhere and once after its first shard, rerun with the same spool: the dataset equals
+    the uninterrupted run's tensor for tensor."""
+    w = harness.work / "sglang"
+    job = lambda name: ["tests/faults/sglang_job.py", str(w / "target"), str(w / f"spool_{name}"), str(w / name)]
+    typical, writing = harness.run(job("ref"), "sglang_ref.log", lambda: any((w / "ref.partial").glob("shard-*")))
+    for i, (delay, from_write) in enumerate(draw_delays(SEED, "sglang", 2, typical, writing)):
+        name = f"killed{i}"
+        marker = (lambda: any((w / f"{name}.partial").glob("shard-*"))) if from_write else None
+        harness.kill_after(job(name), delay, f"sglang_{name}.log", marker)
+        harness.run(job(name), f"sglang_{name}.log")
+        assert same_dataset(w / "ref", w / name) == [], f"killed at {delay}s (from its first write: {from_write})"
