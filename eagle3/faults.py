@@ -161,7 +161,8 @@ class Harness:
             o.landed = self.kill_after(self.capture_args(d / "features"), delay, log,
                                        when(lambda: any((d / "features.partial").glob("shard-*"))))
             progress = d / "features.partial" / "progress.json"
-            o.after_commit = progress.exists() and bool(json.loads(progress.read_text())["done"])
+            o.after_commit = (d / "features" / "manifest.json").exists() or (
+                progress.exists() and bool(json.loads(progress.read_text())["done"]))
             self.run(self.capture_args(d / "features"), log)
             o.problems = same_dataset(self.work / "ref_features", d / "features")
         elif kind == "regenerate":
@@ -169,7 +170,7 @@ class Harness:
             o.landed = self.kill_after(self.regen_args(), delay, log,
                                        when(lambda: any((self.work / "cache" / "regen").glob("*.partial.jsonl"))))
             partial = list((self.work / "cache" / "regen").glob("*.partial.jsonl"))
-            o.after_commit = bool(partial) and partial[0].stat().st_size > 0
+            o.after_commit = self.regen_file() is not None or (bool(partial) and partial[0].stat().st_size > 0)
             self.run(self.regen_args(), log)
             got = self.regen_file()
             o.problems = [] if got and got.read_bytes() == (self.work / "ref_regen.jsonl").read_bytes() else \
