@@ -3,17 +3,20 @@
 A checkpoint holds what exact resumption needs: model, optimizer and RNG states (accelerate's
 save_state, which also handles DeepSpeed's sharded states), the draft vocabulary, and the step. The
 data position and the learning rate are functions of the step (train.py), so the step is all the
-loop state there is. Written under a temporary name and renamed, so a killed save leaves the previous
-checkpoint as `latest`.
+loop state there is. Written under a temporary name, fsynced and renamed (eagle3/durable.py), so a
+killed save or a full disk leaves the previous checkpoint as `latest`.
 """
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
+
+from eagle3.durable import disk_full, fsync_dir, fsync_tree, is_disk_full, tree_bytes
 
 
 def save(acc, run_dir: Path, step: int, vocab_path: Path) -> Path:
@@ -24,19 +27,44 @@ def save(acc, run_dir: Path, step: int, vocab_path: Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     acc.wait_for_everyone()
-    acc.save_state(str(tmp))                     # every rank: DeepSpeed writes its own shards
-    acc.wait_for_everyone()
+    try:
+        acc.save_state(str(tmp))                 # every rank: DeepSpeed writes its own shards
+        acc.wait_for_everyone()
+        if acc.is_main_process:
+            shutil.copy2(vocab_path, tmp / "vocab.safetensors")
+            (tmp / "trainer_state.json").write_text(json.dumps({"step": step}) + "\n")
+            if (Path(run_dir) / "config.yaml").exists():
+                shutil.copy2(Path(run_dir) / "config.yaml", tmp / "config.yaml")
+            fsync_tree(tmp)
+    except OSError as e:
+        if not is_disk_full(e):
+            raise
+        prev = latest(run_dir)
+        shutil.rmtree(tmp, ignore_errors=True)
+        kept = f"; {prev} is kept as the latest" if prev else ""
+        raise disk_full(tmp, tree_bytes(prev) if prev else None, f"checkpoint of step {step}{kept}:") from e
     if acc.is_main_process:
-        shutil.copy2(vocab_path, tmp / "vocab.safetensors")
-        (tmp / "trainer_state.json").write_text(json.dumps({"step": step}) + "\n")
-        if (Path(run_dir) / "config.yaml").exists():
-            shutil.copy2(Path(run_dir) / "config.yaml", tmp / "config.yaml")
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
-        (ckpt_root / "latest.tmp").write_text(final.name + "\n")
-        (ckpt_root / "latest.tmp").replace(ckpt_root / "latest")
+        if final.exists():                       # the same step saved by a run cut short: never leave none
+            old = ckpt_root / f".old_{final.name}"
+            shutil.rmtree(old, ignore_errors=True)
+            final.rename(old)
+            tmp.rename(final)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(final)
+        _atomic_text(ckpt_root / "latest", final.name + "\n")
+        fsync_dir(ckpt_root)
     acc.wait_for_everyone()
     return final
+
+
+def _atomic_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
 
 
 def latest(run_dir: Path) -> Path | None:
@@ -44,6 +72,9 @@ def latest(run_dir: Path) -> Path | None:
     if not pointer.exists():
         return None
     path = pointer.parent / pointer.read_text().strip()
+    old = pointer.parent / f".old_{path.name}"       # save() was killed between its two renames
+    if not path.exists() and (old / "trainer_state.json").exists():
+        old.rename(path)
     if not (path / "trainer_state.json").exists():
         raise FileNotFoundError(f"{pointer} names {path.name}, which is incomplete or missing; "
                                 f"point it at an earlier checkpoint directory in {pointer.parent}")
@@ -91,5 +122,13 @@ def trim_metrics(path: Path, step: int) -> None:
     resumed run's metrics.jsonl has one row per step and split."""
     if not path.exists():
         return
-    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] < step]
-    path.write_text("".join(line + "\n" for line in keep))
+    keep = [line for line in path.read_text().splitlines() if line.strip() and _step(line) < step]
+    _atomic_text(path, "".join(line + "\n" for line in keep))   # a kill here must not lose the rows
+
+
+def _step(line: str) -> float:
+    """A row's step; a line cut short by a kill mid-write counts as past every step (dropped)."""
+    try:
+        return json.loads(line)["step"]
+    except (json.JSONDecodeError, KeyError):
+        return float("inf")

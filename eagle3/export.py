@@ -34,6 +34,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagle3 import checkpoint
+from eagle3.durable import disk_full, fsync_dir, fsync_tree, is_disk_full
 from eagle3.engine_ids import engine_aux_ids
 from eagle3.model import Eagle3Drafter, DrafterShape, drafter_shape
 from eagle3.targets import Target, prepare_target
@@ -81,7 +82,8 @@ def export_drafter(out_root: Path, model_state: Dict[str, torch.Tensor], shape, 
                    aux_layers: Sequence[int], target_architectures: Sequence[str], target_name: str = "",
                    target_fingerprint: str = "", engines: Sequence[str] = ENGINES,
                    aux_ids_override: Dict[str, list] | None = None) -> Dict[str, Path]:
-    """Write out_root/<engine>/ for each engine, atomically (temp dir, then rename).
+    """Write out_root/<engine>/ for each engine, atomically (temp dir, fsync, rename): a kill or a full
+    disk leaves the previous export of that engine whole, never a mix.
 
     aux_ids_override replaces the engine's ids; it exists only so tests can export deliberately
     mis-wired drafters and show that acceptance catches them.
@@ -95,14 +97,34 @@ def export_drafter(out_root: Path, model_state: Dict[str, torch.Tensor], shape, 
             cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = list(aux_ids_override[engine])
         final = Path(out_root) / engine
         final.parent.mkdir(parents=True, exist_ok=True)
+        for stale in final.parent.glob(f".{engine}-*"):     # left by an export that was killed
+            shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{engine}-", dir=final.parent))
-        save_file(tensors, str(tmp / "model.safetensors"), metadata=_METADATA)
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        try:
+            save_file(tensors, str(tmp / "model.safetensors"), metadata=_METADATA)
+            (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+            fsync_tree(tmp)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not is_disk_full(e):
+                raise
+            need = sum(t.nbytes for t in tensors.values())
+            raise disk_full(tmp, need, f"the {engine} export (the previous one at {final} is kept)") from e
+        replace_dir(tmp, final)
         written[engine] = final
     return written
+
+
+def replace_dir(tmp: Path, final: Path) -> None:
+    """Move tmp to final; an existing final is moved aside first and removed after, so at every
+    moment one complete directory is at final or at its aside name."""
+    old = final.with_name(f".{final.name}-old")
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    fsync_dir(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def check_norm_weights(tensors: Dict[str, torch.Tensor], shape) -> None:

@@ -19,7 +19,9 @@ Tensors sit in the file in descending element size, so every one starts aligned 
 size and can be viewed straight out of the memory map. The writer fixes every shard's layout up front from the
 ordered sample list (plan_shards), writes each sample at its place, and commits a shard by renaming
 it; so shards do not depend on the order samples arrive in, and a killed capture that resumes ends
-byte-identical to one that never stopped.
+byte-identical to one that never stopped. Each shard's sha256, taken at commit, is in the manifest;
+the reader checks it the first time a process reads a sample of the shard, so a flipped bit is
+refused by name.
 """
 from __future__ import annotations
 
@@ -35,8 +37,9 @@ import numpy as np
 import torch
 
 from eagle3.shards import (AUX_DTYPES, FLOAT_DTYPES, FORMAT, FORMAT_VERSION, FP8, FeatureDatasetError,
-                           OpenShard, check_shard, dequantize_fp8, np_bytes, quantize_fp8, shard_name,
-                           tensor_views)
+                           OpenShard, check_sha256, check_shard, dequantize_fp8, file_sha256, np_bytes,
+                           quantize_fp8, shard_name, tensor_views)
+from eagle3.durable import fsync_dir
 
 AUX_MEANING = ("residual stream entering decoder layer i = transformers output_hidden_states[i] "
                "(hidden_states + residual in engines that keep the residual separate)")
@@ -191,7 +194,8 @@ class FeatureWriter:
                                           + f". Delete {self.partial} to start over.")
             for s, rec in old["done"].items():
                 f = self.partial / shard_name(int(s))
-                if f.exists() and f.stat().st_size == rec["num_bytes"]:
+                if f.exists() and f.stat().st_size == rec["num_bytes"] and \
+                        rec.get("sha256", "") in ("", file_sha256(f)):
                     self.done[int(s)] = rec
         self.partial.mkdir(parents=True, exist_ok=True)
         keep = {shard_name(s) for s in self.done}
@@ -225,6 +229,11 @@ class FeatureWriter:
             if tuple(parts[name].shape) != shape:
                 raise ValueError(f"sample {sample_id!r}: {name} has shape {tuple(parts[name].shape)}, "
                                  f"expected {shape}")
+        for name in ("aux", "final"):                 # a NaN here would surface steps later as a NaN loss
+            bad = int((~torch.isfinite(parts[name])).sum())
+            if bad:
+                raise FeatureDatasetError(f"sample {sample_id!r}: {name} holds {bad} non-finite values (NaN/Inf): "
+                                          f"the target overflowed its dtype on this sample")
         if s not in self.open:
             lengths = [self.lengths[i] for i in self.plan[s]]
             self.open[s] = OpenShard(self.partial / shard_name(s), lengths, self.num_aux, self.hidden,
@@ -240,9 +249,9 @@ class FeatureWriter:
             arrays["aux"] = np_bytes(aux, FLOAT_DTYPES[self.aux_dtype][0])
         shard.write(j, arrays)
         if not shard.pending:
-            nbytes = shard.commit()
+            nbytes, digest = shard.commit()
             del self.open[s]
-            self.done[s] = {"num_bytes": nbytes, "num_loss_tokens": shard.loss_tokens}
+            self.done[s] = {"num_bytes": nbytes, "num_loss_tokens": shard.loss_tokens, "sha256": digest}
             self._save_progress()
 
     def finish(self) -> Path:
@@ -256,6 +265,7 @@ class FeatureWriter:
                            "num_tokens": sum(self.lengths[i] for i in idx),
                            "num_bytes": self.done[s]["num_bytes"],
                            "num_loss_tokens": self.done[s]["num_loss_tokens"],
+                           **({"sha256": self.done[s]["sha256"]} if "sha256" in self.done[s] else {}),
                            "sample_ids": [self.ids[i] for i in idx]})
         tokens = sum(sh["num_tokens"] for sh in shards)
         nbytes = sum(sh["num_bytes"] for sh in shards)
@@ -273,9 +283,7 @@ class FeatureWriter:
         _atomic_json(self.partial / MANIFEST, manifest)
         (self.partial / PROGRESS).unlink()
         os.rename(self.partial, self.path)
-        fd = os.open(self.path.parent, os.O_RDONLY)   # make the rename durable
-        os.fsync(fd)
-        os.close(fd)
+        fsync_dir(self.path.parent)                   # make the rename durable
         return self.path
 
 
@@ -315,10 +323,11 @@ class FeatureDataset:
             np.zeros(0, dtype=np.int64)
         self._ids = [sid for r in shards for sid in r["sample_ids"]]
         self._maps: Dict[int, Dict[str, torch.Tensor]] = {}
+        self._unverified: Dict[int, np.memmap] = {}
 
-    def __getstate__(self):                           # DataLoader workers re-map on their own
+    def __getstate__(self):                           # DataLoader workers re-map (and re-check) on their own
         state = dict(self.__dict__)
-        state["_maps"] = {}
+        state["_maps"], state["_unverified"] = {}, {}
         return state
 
     def __len__(self) -> int:
@@ -340,10 +349,21 @@ class FeatureDataset:
             header, start = check_shard(path, rec, self.manifest)
             mm = np.memmap(path, dtype=np.uint8, mode="c")
             self._maps[s] = tensor_views(mm[start:], header)
+            self._unverified[s] = mm
         return self._maps[s]
 
+    def _verified(self, s: int) -> Dict[str, torch.Tensor]:
+        """The shard's tensors, its sha256 checked on first use in this process (length() reads only
+        offsets, so planning batches over a large dataset does not hash it all up front)."""
+        t = self._tensors(s)
+        if s in self._unverified:
+            check_sha256(self.path / self.manifest["shards"][s]["file"], self._unverified[s],
+                         self.manifest["shards"][s])
+            del self._unverified[s]
+        return t
+
     def __getitem__(self, i: int) -> Dict[str, torch.Tensor]:
-        t = self._tensors(int(self._shard[i]))
+        t = self._verified(int(self._shard[i]))
         j = int(self._local[i])
         a, b = int(t["offsets"][j]), int(t["offsets"][j + 1])
         aux = t["aux"][a:b] if "aux_scale" not in t else dequantize_fp8(t["aux"][a:b], t["aux_scale"][a:b])
@@ -357,7 +377,7 @@ class FeatureDataset:
             if not path.exists():
                 raise FeatureDatasetError(f"{rec['file']}: missing from {self.path}")
             check_shard(path, rec, self.manifest)
-            t = self._tensors(s)
+            t = self._verified(s)
             off = t["offsets"]
             if int(off[0]) != 0 or int(off[-1]) != rec["num_tokens"] or bool((off[1:] < off[:-1]).any()):
                 raise FeatureDatasetError(f"{rec['file']}: offsets are not monotone from 0 to "

@@ -7,6 +7,7 @@ scales, and the checks of a shard's header against its manifest record.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import struct
@@ -15,6 +16,8 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 import torch
+
+from eagle3.durable import disk_full, fsync_dir, is_disk_full
 
 FORMAT = "eagle3-features"
 FORMAT_VERSION = 1
@@ -128,23 +131,62 @@ class OpenShard:
         self.base, self.size = len(head), len(head) + size
         self.off = {k: v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}
         self.fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.ftruncate(self.fd, self.size)
-        os.pwrite(self.fd, head, 0)
-        write_all(self.fd, starts, self.base + self.off["offsets"])
+        try:
+            os.ftruncate(self.fd, self.size)
+            write_all(self.fd, np.frombuffer(head, np.uint8), 0)
+            write_all(self.fd, starts, self.base + self.off["offsets"])
+        except OSError as e:
+            self._fail(e)
 
     def write(self, j: int, parts: Dict[str, np.ndarray]) -> None:
         row = int(self.starts[j])
-        for name, arr in parts.items():
-            row_bytes = arr.nbytes // arr.shape[0]
-            write_all(self.fd, arr, self.base + self.off[name] + row * row_bytes)
+        try:
+            for name, arr in parts.items():
+                row_bytes = arr.nbytes // arr.shape[0]
+                write_all(self.fd, arr, self.base + self.off[name] + row * row_bytes)
+        except OSError as e:
+            self._fail(e)
         self.pending.discard(j)
         self.loss_tokens += int(parts["loss_mask"].sum())
 
-    def commit(self) -> int:
-        os.fsync(self.fd)
+    def _fail(self, e: OSError):
+        """A failed write leaves no temp file behind (the shard is rewritten whole by the rerun);
+        a full disk is named with the shard's size."""
+        os.close(self.fd)
+        self.tmp.unlink(missing_ok=True)
+        if is_disk_full(e):
+            raise disk_full(self.tmp, self.size, "a feature shard") from e
+        raise e
+
+    def commit(self) -> tuple:
+        """fsync, hash, rename into place: (size in bytes, sha256 of the file's bytes)."""
+        try:
+            os.fsync(self.fd)
+        except OSError as e:
+            self._fail(e)
+        digest = file_sha256(self.tmp)
         os.close(self.fd)
         os.replace(self.tmp, self.path)
-        return self.size
+        fsync_dir(self.path.parent)
+        return self.size, digest
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def check_sha256(path: Path, data, rec: Dict[str, Any]) -> None:
+    """data: the whole file's bytes (a memory map). Datasets written before shards carried a
+    checksum have none in their records and are read unchecked."""
+    want = rec.get("sha256")
+    if want is not None and hashlib.sha256(data).hexdigest() != want:
+        raise FeatureDatasetError(f"{path.name}: its bytes do not match the sha256 the manifest recorded when it "
+                                  f"was written (a flipped bit or an overwrite); recapture the dataset or replace "
+                                  f"{path}")
 
 
 def check_shard(path: Path, rec: Dict[str, Any], manifest: Dict[str, Any]):

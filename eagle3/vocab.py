@@ -18,7 +18,9 @@ from pathlib import Path
 from typing import Iterable, List, Optional, Sequence, Tuple
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+
+from eagle3.durable import save_safetensors
 
 
 @dataclass
@@ -57,7 +59,7 @@ class DraftVocab:
                    "t2d": self.t2d.to("cpu", torch.bool).contiguous()}
         if self.counts is not None:
             tensors["counts"] = self.counts.to("cpu", torch.int64).contiguous()
-        save_file(tensors, str(path))
+        save_safetensors(tensors, path)          # train.py's resume reads it back: never half a file
 
     @classmethod
     def load(cls, path) -> "DraftVocab":
