@@ -158,15 +158,15 @@ def _to_messages(rec, default_id: str) -> tuple[str, list[dict]]:
 
 
 def _read_jsonl(path: Path, report: DataReport) -> Iterator:
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if not line.strip():
+    with open(path, "rb") as f:         # line by line: one bad line is counted, the rest still read
+        for raw in f:
+            if not raw.strip():
                 continue
             try:
-                yield json.loads(line)
-            except json.JSONDecodeError:
+                yield json.loads(raw.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
                 report.read += 1
-                _count(report, "invalid json")
+                _count(report, "invalid utf-8" if isinstance(e, UnicodeDecodeError) else "invalid json")
 
 
 def _stream_json_array(path: Path, report: DataReport, chunk: int = 1 << 22) -> Iterator:
