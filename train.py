@@ -403,8 +403,8 @@ def capture_command_message(c) -> str:
     config = Path(c.target.path) / "config.json"
     if sglang and c.aux_layers and config.is_file():
         cfg = json.loads(config.read_text())
-        arch = (cfg.get("text_config") or cfg).get("model_type", "")
-        server = capture_server_cmd(c.target.path, c.capture.tp_size, c.aux_layers, arch, 30000, c.capture.server_args,
+        archs = cfg.get("architectures") or []
+        server = capture_server_cmd(c.target.path, c.capture.tp_size, c.aux_layers, archs, 30000, c.capture.server_args,
                                     trust_remote_code=c.target.trust_remote_code, python=sglang_python())
         lines += ["     or with a capture server of your own (its environment: EAGLE3_SPOOL_DIR="
                   f"{c.capture.spool_dir} EAGLE3_AUX_LAYERS={','.join(map(str, c.aux_layers))}):",

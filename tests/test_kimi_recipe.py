@@ -20,8 +20,9 @@ ROOT = Path(__file__).resolve().parents[1]
 schema.register()
 
 # Kimi-K2.5's text backbone as SGLang reads it (config.json's text_config), and our drafter's export.
-KIMI = {"model_type": "kimi_k25", "text_config": {"model_type": "deepseek_v3", "num_hidden_layers": 61,
-                                                  "kv_lora_rank": 512, "qk_rope_head_dim": 64}}
+KIMI = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+        "text_config": {"model_type": "deepseek_v3", "num_hidden_layers": 61, "kv_lora_rank": 512,
+                        "qk_rope_head_dim": 64}}
 DRAFT = {"model_type": "llama", "num_hidden_layers": 1, "hidden_size": 7168, "num_attention_heads": 64,
          "num_key_value_heads": 64, "head_dim": 128}
 

@@ -95,7 +95,7 @@ def test_evaluate_adds_the_projected_table(tmp_path):
     t2d = torch.zeros(info.vocab_size, dtype=torch.bool)
     t2d[:512] = True
     export_drafter(tmp_path / "run_a" / "export", Eagle3Drafter(shape).exportable_state_dict(), shape,
-                   torch.zeros(512, dtype=torch.long), t2d, [2, 3, info.num_layers - 3], "llama")
+                   torch.zeros(512, dtype=torch.long), t2d, [2, 3, info.num_layers - 3], info.architectures)
     out = tmp_path / "eval"
     p = subprocess.run([sys.executable, "evaluate.py", "+experiment=tiny", f"run_dir={tmp_path}/r",
                         f"eval.drafters=[{tmp_path}/run_a]", "eval.num_prompts=1", "eval.max_new_tokens=8",
