@@ -32,7 +32,6 @@ import argparse
 import hashlib
 import io
 import json
-import os
 import subprocess
 import sys
 import tarfile
