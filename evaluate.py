@@ -78,7 +78,7 @@ def run_hf(e, target_dir, dtype_name, drafters, prompt_sets, tokenizer, stop, ch
     dtype = _torch_dtype(dtype_name, device)
     model = load_target_model(target_dir, dtype, device)
     base = {name: decode_prompts(ps, tokenizer, lambda ids: (*greedy_decode(model, ids, e.max_new_tokens, stop), {}),
-                                 f"baseline / {name}") for name, ps in prompt_sets.items()}
+                                 f"baseline / {name}") for name, ps in prompt_sets.items()} if e.baseline else {}
     spec = {}
     for d in drafters:
         chain = load_hf_drafter(d["export"], model, device, dtype)
@@ -136,7 +136,7 @@ def run_vllm(e, target_dir, max_model_len, drafters, prompt_sets, tokenizer, sto
             del llm
             gc.collect()
 
-    base = with_llm()
+    base = with_llm() if e.baseline else {}
     spec = {}
     for d in drafters:
         for k in chains:
@@ -172,7 +172,7 @@ def run_sglang(e, target_dir, trust_remote_code, drafters, prompt_sets, tokenize
         finally:
             srv.stop(proc)
 
-    base = {} if e.server_url else serve(None, "baseline")
+    base = serve(None, "baseline") if e.baseline and not e.server_url else {}
     spec = {}
     for d in drafters:
         for k in chains:

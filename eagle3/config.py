@@ -159,6 +159,7 @@ class EvalConfig:
     topk: int = 1
     num_draft_tokens: int = 0                 # 0 = num_steps + 1 (a chain)
     temperature: float = 0.0
+    baseline: bool = True                     # also decode without a drafter (tok/s, speedup); false: tau only
     baseline_tok_s: Optional[float] = None   # the production figure to show beside the measured one
     # > 0 with baseline_tok_s: the report projects tok/s at the baseline (eagle3/projection.py) from
     # each drafter's acceptance and this draft step (bench/draft_latency.py); verify = factor x a decode step

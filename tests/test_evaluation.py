@@ -242,10 +242,8 @@ def test_report_files(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # end to end: python evaluate.py on a tiny random target, hf backend
 
-def test_evaluate_hf_end_to_end(tmp_path):
-    import subprocess
-    import sys
-
+def _tiny_export(tmp_path):
+    """A random drafter for the tiny target, exported to tmp_path/run_a/export -> its aux ids."""
     from eagle3.targets import resolve_target, target_info
     from omegaconf import OmegaConf
     tcfg = OmegaConf.load(ROOT / "conf/target/tiny_llama.yaml")
@@ -261,6 +259,14 @@ def test_evaluate_hf_end_to_end(tmp_path):
     t2d[:512] = True
     aux = [2, 3, info.num_layers - 3]
     export_drafter(tmp_path / "run_a" / "export", m.exportable_state_dict(), shape, d2t, t2d, aux, ["LlamaForCausalLM"])
+    return aux
+
+
+def test_evaluate_hf_end_to_end(tmp_path):
+    import subprocess
+    import sys
+
+    aux = _tiny_export(tmp_path)
     out = tmp_path / "eval"
     r = subprocess.run([sys.executable, "evaluate.py", "+experiment=tiny", f"run_dir={tmp_path}/r",
                         f"eval.drafters=[{tmp_path}/run_a,{tmp_path}/run_a/export/vllm]",
@@ -295,6 +301,26 @@ def test_evaluate_hf_end_to_end(tmp_path):
     assert md.count("tau per MT-Bench category") == 2 and md.count("Paired against the reference") == 2
     for png in ("tau.png", "acceptance.png", "categories.png", "paired.png"):
         assert (out / png).exists() and f"({png})" in md
+
+
+def test_evaluate_without_baseline_decodes_only_the_drafters(tmp_path):
+    """eval.baseline=false: no drafter-less decode (tau needs none); tau and the paired comparison stay."""
+    import subprocess
+    import sys
+
+    _tiny_export(tmp_path)
+    out = tmp_path / "eval"
+    r = subprocess.run([sys.executable, "evaluate.py", "+experiment=tiny", f"run_dir={tmp_path}/r",
+                        f"eval.drafters=[{tmp_path}/run_a,{tmp_path}/run_a/export/vllm]", "eval.baseline=false",
+                        "eval.prompts=[mt_bench]", "eval.num_prompts=2", "eval.max_new_tokens=12", f"eval.out_dir={out}"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [json.loads(l) for l in (out / "per_prompt.jsonl").read_text().splitlines()]
+    assert sorted({l["drafter"] for l in lines}) == ["run_a", "run_a'"] and len(lines) == 4
+    rep = json.loads((out / "report.json").read_text())
+    assert [x["drafter"] for x in rep["results"]] == ["run_a", "run_a'"]
+    assert rep["results"][0]["tau"] == rep["results"][1]["tau"] and 1.0 <= rep["results"][0]["tau"] <= 4.0
+    assert [c["ties"] for c in rep["comparisons"]] == [2]
 
 
 def test_evaluate_refuses_a_misfit_before_starting(tmp_path):
