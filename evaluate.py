@@ -34,16 +34,23 @@ Generate = Callable[[List[int]], Tuple[List[int], float, dict]]
 
 
 def decode_prompts(prompts: List[ev.Prompt], tokenizer, generate: Generate, label: str) -> List[ev.DecodeStats]:
-    """Every turn of every prompt; later turns follow the model's own previous answer."""
+    """Every turn of every prompt; later turns follow the model's own previous answer, rendered as
+    regeneration renders it (cut at the end of turn, decoded with its special tokens, a thinking
+    model's reasoning split off by chat.assistant_turn), so a follow-up prompt holds the tokens
+    training saw for the same conversation."""
     from tqdm import tqdm
+
+    from capture.regenerate import cut_at_stop
+    stop = chat.stop_ids(tokenizer)
     out = []
     for p in tqdm(prompts, desc=f"[eval] {label}", unit="prompt", file=sys.stderr, dynamic_ncols=True):
         st = ev.DecodeStats(p.id, [], 0.0, category=p.category)
         messages = list(p.messages)
         for turn, followup in enumerate([None] + list(p.followups)):
             if followup is not None:
-                answer = tokenizer.decode(st.output_ids[-1], skip_special_tokens=True)
-                messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": followup}]
+                answer, _ = cut_at_stop(st.output_ids[-1], stop)
+                messages += [chat.assistant_turn(tokenizer, tokenizer.decode(answer, skip_special_tokens=False)),
+                             {"role": "user", "content": followup}]
             ids, secs, c = generate(chat.render_prompt(tokenizer, messages))
             st.output_ids.append(list(ids))
             st.seconds += secs
