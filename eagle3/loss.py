@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from eagle3.fused import fused
-from eagle3.losses import NEEDS_MASS, check_loss, row_losses
+from eagle3.losses import NEEDS_MASS, check_loss, lean_row_losses
 from eagle3.model import Eagle3Drafter
 from eagle3.vocab import DraftVocab
 
@@ -187,14 +187,13 @@ def ttt_loss(drafter: Eagle3Drafter, input_ids: torch.Tensor, loss_mask: torch.T
     step, b, t = counted.rows()                                            # [M] each
     rows = b * T + t                                                       # [M] into one step's B*T rows
     h_rows = torch.stack(hs).reshape(ttt_steps * B * T, -1)[step * (B * T) + rows]
-    # row_loss [M] against teacher row t+1+s. soft_ce keeps not the logits [M, Vd] but their
-    # gradient; the other losses keep what autograd keeps.
+    # row_loss [M] against teacher row t+1+s. Every loss keeps not the logits [M, Vd] but their
+    # gradient (soft_ce in one fused pass, the others a chunk of rows at a time).
     z, teacher_rows = drafter.logits(h_rows, w), rows + 1 + step
     if loss == "soft_ce":
         row_loss, drafted = _SoftCrossEntropy.apply(z, p_rows, teacher_rows)
     else:
-        row_loss = row_losses(loss, z, p_rows[teacher_rows], None if mass is None else mass[teacher_rows],
-                              step, ttt_steps)
+        row_loss = lean_row_losses(loss, z, p_rows, teacher_rows, mass, step, ttt_steps)
         drafted = z.detach().argmax(-1)
     # per-step sums by a reduction over a one-hot [M, S], not index_add: a GPU's atomic adds
     # would make the logged loss differ in its last bits from run to run

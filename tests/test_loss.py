@@ -427,6 +427,32 @@ def test_draft_mass_is_the_full_softmax_on_the_draft_columns():
     torch.testing.assert_close(got, (final @ head.T).softmax(-1)[..., ids].sum(-1), rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("loss", [n for n in LOSSES if n != "soft_ce"])
+def test_lean_row_losses_equal_autograd_in_chunks(loss):
+    """The chunked loss that keeps only dloss/dz gives the values and gradients of plain autograd
+    over the whole batch (lk's weight too, though it depends on every row of a step), for chunks of
+    1, 3 and all rows; teacher rows are gathered with repeats, as TTT steps share them."""
+    from eagle3.losses import lean_row_losses, row_losses
+    g = torch.Generator().manual_seed(3)
+    n, r, vd, steps = 11, 6, 7, 3
+    z0 = torch.randn(n, vd, generator=g, dtype=torch.float64) * 2
+    p = torch.randn(r, vd, generator=g, dtype=torch.float64).softmax(-1)
+    rows = torch.randint(0, r, (n,), generator=g)
+    mass = torch.rand(r, generator=g, dtype=torch.float64) * 0.5 + 0.5
+    step = torch.randint(0, steps, (n,), generator=g)
+    up = torch.randn(n, generator=g, dtype=torch.float64)
+    z = z0.clone().requires_grad_(True)
+    want = row_losses(loss, z, p[rows], mass[rows], step, steps)
+    want_grad, = torch.autograd.grad((want * up).sum(), z)
+    for chunk_rows in (1, 3, n):
+        z = z0.clone().requires_grad_(True)
+        got = lean_row_losses(loss, z, p, rows, mass, step, steps, chunk_elems=chunk_rows * vd)
+        got_grad, = torch.autograd.grad((got * up).sum(), z)
+        torch.testing.assert_close(got, want.detach(), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(got_grad, want_grad, rtol=1e-10, atol=1e-12)
+    assert want_grad.abs().sum() > 0
+
+
 def test_unknown_loss_is_refused():
     d, batch, vocab = make_case()
     with pytest.raises(ValueError, match="train.loss='ce'"):
