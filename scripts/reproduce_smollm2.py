@@ -16,7 +16,13 @@ its run directory WORK/runs/NAME:
     scale_*        one epoch over the first conversations holding 8k / 20k / 30k / 55k prompts;
                    scale_55k_warm: lm_head and norm started from the target's
     long_*         several epochs over all answers; long_b32_e10_g32 is the committed drafter's recipe
-    eval_*         evaluate.py per group (--eval-backend, default vllm; the docs' tau are vLLM's)
+    abl_*          ablations: one technique each against abl_base, on identical data and steps (the
+                   first 4,096 conversations, two epochs of batch 16): the loss (lk, lk_alpha, tv,
+                   jsd; kl has soft_ce's gradient), EAGLE-3.1's norms, TTT step weights and length,
+                   draft vocab 8,192, the head warm-started from the target's
+    eval_*         evaluate.py per group (--eval-backend, default vllm; the docs' tau are vLLM's);
+                   eval_abl_* judge one ablation each on all 80 MT-Bench first turns at chains 3
+                   and 7 without a baseline decode (tau only), so they run side by side
     zero3_*        (2+ GPUs) ZeRO-3 on 2 GPUs against 1, same global batch, tiny target
     kimi_zero3_*   (2+ GPUs) the Kimi-size drafter (conf/experiment/kimi_dims.yaml) under ZeRO-3,
                    1 GPU against 2: losses, tokens/s and memory per GPU
@@ -86,6 +92,20 @@ LONG = {
         "long_b32_e10_g32": ["train.batch_size=32", "optim.lr=1.5e-3", "train.epochs=10",   # the committed drafter
                              "train.length_groups=32"]}
 
+# ablations: the first ABL_CONVERSATIONS conversations of the answer file, two epochs of batch 16
+ABL_CONVERSATIONS = 4096
+ABL_COMMON = ["train.batch_size=16", "optim.lr=1e-3", "train.epochs=2", "train.length_groups=32"]
+ABLATE = {"abl_base": [],
+          "abl_lk": ["train.loss=lk"],
+          "abl_lk_alpha": ["train.loss=lk_alpha"],
+          "abl_tv": ["train.loss=tv"],
+          "abl_jsd": ["train.loss=jsd"],
+          "abl_norms": ["drafter.fc_norm=true", "drafter.norm_output=true"],
+          "abl_decay1": ["train.step_decay=1.0"],
+          "abl_ttt4": ["train.ttt_steps=4"],
+          "abl_v8192": ["drafter.draft_vocab_size=8192"],
+          "abl_warm": ["drafter.head_from_target=true"]}
+
 
 def build_jobs(work: Path, dry: bool, gpus: int, regen_minutes: float = 0.0, regen_chunk: int = 4096,
                answers: Optional[Path] = None, eval_backend: str = "vllm") -> List[Job]:
@@ -114,10 +134,15 @@ def build_jobs(work: Path, dry: bool, gpus: int, regen_minutes: float = 0.0, reg
     def scale_train(name, n_prompts, *over):
         return lambda: train("smollm2_scale", name, *on_answers(n_prompts // 1000 if dry else n_prompts), *over)
 
-    def evaluate(exp, group, names, prompts, data=lambda: []):
+    def evaluate(exp, group, names, prompts, data=lambda: [], *over):
         return lambda: [PY, "evaluate.py", f"+experiment={exp}", f"eval.backend={eval_backend}",
                         f"run_dir={runs / group}", "eval.drafters=[" + ",".join(str(runs / n) for n in names) + "]",
-                        f"eval.prompts=[{prompts}]", *data(), *tiny, *ev_tiny]
+                        f"eval.prompts=[{prompts}]", *data(), *over, *tiny, *ev_tiny]
+
+    def ablation(name, *over):
+        n = ABL_CONVERSATIONS // 100 if dry else ABL_CONVERSATIONS
+        return lambda: train("smollm2_scale", name, *on_answers(0)[:2], f"data.num_samples={n}",
+                             "capture.regenerate=false", *ABL_COMMON, *over)
 
     # regen_all shares its GPUs with trainings; the 2-GPU checks go first (they are short)
     jobs = [Job("regen_peer", regen("smollm2_peer"), gpus=0, exclusive=True),
@@ -127,6 +152,10 @@ def build_jobs(work: Path, dry: bool, gpus: int, regen_minutes: float = 0.0, reg
     jobs += [Job(n, train("smollm2_peer", n, *o), deps=["regen_peer"]) for n, o in PEER.items()]
     jobs += [Job(n, scale_train(n, k, *o), deps=["regen_all"]) for n, (k, o) in SCALE.items()]
     jobs += [Job(n, scale_train(n, 0, *o), deps=["regen_all"]) for n, o in LONG.items()]
+    jobs += [Job(n, ablation(n, *o), deps=["regen_all"]) for n, o in ABLATE.items()]
+    jobs += [Job(f"eval_{n}", evaluate("smollm2_scale", f"eval_{n}", [n], "mt_bench", lambda: [],
+                                       "eval.num_prompts=0", "eval.chains=[3,7]", "eval.baseline=false"),
+                 deps=[n]) for n in ABLATE]
     jobs += [Job("eval_peer", evaluate("smollm2_peer", "eval_peer", list(PEER), "mt_bench"), deps=list(PEER)),
              Job("eval_scale", evaluate("smollm2_scale", "eval_scale", list(SCALE), "mt_bench"), deps=list(SCALE)),
              Job("eval_long", evaluate("smollm2_scale", "eval_long", list(LONG), "mt_bench,mt_bench_2turn,sharegpt_heldout",

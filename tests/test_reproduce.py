@@ -39,6 +39,15 @@ def test_every_dependency_is_a_job_and_the_committed_recipe_is_the_documented_on
                 "train.length_groups=32"):
         assert arg in cmd
     assert {"zero3_2gpu", "kimi_zero3_2gpu"} <= set(jobs)
+    # each ablation is abl_base's command plus its own overrides: identical data, batch and steps
+    from reproduce_smollm2 import ABLATE
+    base = jobs["abl_base"].cmd()
+    assert "data.num_samples=4096" in base and "train.epochs=2" in base and "train.batch_size=16" in base
+    for name, over in ABLATE.items():
+        cmd = jobs[name].cmd()
+        assert [a for a in cmd if not a.startswith("run_dir=")] == [a for a in base if not a.startswith("run_dir=")] + over
+        ev = jobs[f"eval_{name}"].cmd()
+        assert jobs[f"eval_{name}"].deps == [name] and "eval.chains=[3,7]" in ev and "eval.baseline=false" in ev
 
 
 def test_dry_run_trains_and_exports_a_job(tmp_path):
@@ -51,3 +60,17 @@ def test_dry_run_trains_and_exports_a_job(tmp_path):
     status = json.loads((work / "status.json").read_text())
     assert status["long_b32_e10_g32"]["state"] == "ok"
     assert (work / "runs" / "long_b32_e10_g32" / "export" / "vllm" / "config.json").exists()
+
+
+def test_dry_run_ablation_trains_and_is_judged_at_both_chains(tmp_path):
+    answers = answers_file(tmp_path / "answers.jsonl")
+    work = tmp_path / "work"
+    run("--work", str(work), "--dry-run", "--gpus", "0", "--only", "abl_lk,eval_abl_lk", "--answers", str(answers),
+        "--eval-backend", "hf")
+    status = json.loads((work / "status.json").read_text())
+    assert status["abl_lk"]["state"] == status["eval_abl_lk"]["state"] == "ok"
+    cfg = (work / "runs" / "abl_lk" / "config.yaml").read_text()
+    assert "loss: lk" in cfg
+    rep = json.loads((work / "runs" / "eval_abl_lk" / "eval" / "report.json").read_text())
+    assert sorted(r["num_steps"] for r in rep["results"]) == [3, 7]
+    assert all(r["drafter"] == "abl_lk" and r["num_drafts"] > 0 for r in rep["results"])
