@@ -45,7 +45,7 @@ KIMI_K25 = dict(hidden_size=7168, intermediate_size=18432, moe_intermediate_size
                 norm_topk_prob=True, rope_theta=50000.0, max_position_embeddings=262144,
                 num_hidden_layers=5, n_routed_experts=16)
 AUX_LAYERS = [2, 3, 4]           # the recipe's [3, 31, 59] of 61 layers, for the 5-layer stand-in
-THINKING_TEMPLATE = ROOT / "tests" / "templates" / "kimi_style.jinja"   # K2.5's shape, `thinking` switch
+THINKING_TEMPLATE = ROOT / "conf" / "templates" / "kimi_k25_style.jinja"   # K2.5's shape, `thinking` switch
 
 
 def parse_args(argv=None):

@@ -72,7 +72,7 @@ def test_assistant_turn_splits_a_thinking_reply_where_the_template_would(tok, th
     from eagle3.chat import assistant_turn, render_text, use_template_kwargs
     from eagle3.targets import load_tokenizer
 
-    kimi = use_template_kwargs(load_tokenizer(tok.name_or_path, "tests/templates/kimi_style.jinja"),
+    kimi = use_template_kwargs(load_tokenizer(tok.name_or_path, "conf/templates/kimi_k25_style.jinja"),
                                {"thinking": thinking})
     user = [{"role": "user", "content": "Name a colour."}]
     reply = "Pick one.</think>Green." if thinking else "Green."

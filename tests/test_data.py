@@ -103,7 +103,7 @@ REASONED = CONV[:3] + [{**CONV[3], "reasoning_content": "Italy's capital: Rome, 
 def _kimi_tokenizer(smol, thinking):
     from eagle3.chat import use_template_kwargs
 
-    tok = _template_tokenizer(smol, "tests/templates/kimi_style.jinja")
+    tok = _template_tokenizer(smol, "conf/templates/kimi_k25_style.jinja")
     tok.add_tokens(KIMI_SPECIAL, special_tokens=True)     # as in Kimi's own tokenizer
     return use_template_kwargs(tok, {"thinking": thinking})
 

@@ -17,7 +17,7 @@ from eagle3.evaluation import Prompt
 from eagle3.targets import load_tokenizer, smollm2_tokenizer
 from evaluate import decode_prompts
 
-TEMPLATE = "tests/templates/kimi_style.jinja"     # Kimi-K2.5's shape: <think> blocks, a `thinking` switch
+TEMPLATE = "conf/templates/kimi_k25_style.jinja"     # Kimi-K2.5's shape: <think> blocks, a `thinking` switch
 FIRST, SECOND = "Name a colour.", "And a fruit?"
 
 

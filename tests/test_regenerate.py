@@ -274,7 +274,7 @@ def test_regeneration_evaluation_and_training_render_the_same_prompt(tmp_path, m
 
     monkeypatch.setattr(D, "cache_root", lambda: tmp_path / "cache")
     _, target, target_dir = tiny_target_and_source(tmp_path)
-    target.chat_template = "tests/templates/kimi_style.jinja"
+    target.chat_template = "conf/templates/kimi_k25_style.jinja"
     target.chat_template_kwargs = {"thinking": thinking}
     tok = chat.load_tokenizer(target_dir, target)
     src = tmp_path / "q.jsonl"
