@@ -340,8 +340,12 @@ class StreamReader:
 
     def batch_of(self, step: int) -> List[int]:
         """Step's global batch; everything earlier steps alone read is acknowledged (and deleted)."""
-        self.first, self.step = self.sched.span(step)[0], step
-        for name in [n for n in self.units if self.sched.next_use(n, self.first) is None]:
+        first, last = self.sched.span(step)
+        self.first, self.step = first, step
+        # keep only this step's units mapped: a unit the producer evicts (or recaptures) must not
+        # stay on disk as a deleted file held open here
+        span = {self.sched.name(g) for g in range(first, last + 1)} | {HELDOUT}
+        for name in [n for n in self.units if n not in span]:
             del self.units[name]
         if self.is_main:
             self.publish(done=False)

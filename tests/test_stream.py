@@ -150,6 +150,13 @@ def test_stream_holds_the_budget_and_trains_the_offline_weights(offline, tmp_pat
     assert_same_weights(tmp_path / "run", offline)
 
 
+def read(path):
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        return None
+
+
 def wait_for(cond, procs, timeout=300):
     deadline = time.time() + timeout
     while not cond():
@@ -161,6 +168,17 @@ def wait_for(cond, procs, timeout=300):
 
 
 @pytest.mark.slow
+def test_reuse_keeps_shards_that_fit_and_captures_each_once(offline, tmp_path):
+    """data.stream_reuse=true with room for every shard: the second epoch reads the first's shards,
+    nothing is captured twice, and the weights are still the offline run's."""
+    stream = tmp_path / "stream"
+    finish(start("train.py", *COMMON, f"run_dir={tmp_path}/run", "train.mode=stream", f"data.stream_dir={stream}",
+                 "data.disk_budget_gb=0.02", "data.stream_reuse=true"))
+    assert read(stream / "producer.json")["units"] == read(stream / "stream.json")["num_shards"]
+    assert_same_weights(tmp_path / "run", offline)
+
+
+@pytest.mark.slow
 def test_killed_trainer_and_killed_producer_resume_to_the_same_weights(offline, tmp_path):
     """Producer and trainer started on their own (as on two machines): SIGKILL the trainer after its
     step-4 checkpoint, resume it; then SIGKILL the producer mid-run, start it again."""
@@ -169,21 +187,29 @@ def test_killed_trainer_and_killed_producer_resume_to_the_same_weights(offline, 
     trainer_args = [*args, f"run_dir={tmp_path}/run", "capture.implicit=false"]
     producer = start("capture", *args, f"run_dir={tmp_path}/run")
     trainer = start("train.py", *trainer_args)
-    ckpt = tmp_path / "run" / "checkpoints" / "latest"
-    wait_for(lambda: ckpt.exists() and max(train_losses(tmp_path / "run"), default=0) >= 5, [producer, trainer])
-    trainer.kill()
-    trainer.wait()
-    trainer = start("train.py", *trainer_args, "resume=true")
+    sampler = DirSampler(stream)
+    sampler.start()
 
     def trainer_at(step):
-        state = json.loads((stream / "trainer.json").read_text()) if (stream / "trainer.json").exists() else {}
+        state = read(stream / "trainer.json") or {}
         return state.get("step", 0) >= step and not state.get("done")
-    wait_for(lambda: trainer_at(7), [producer, trainer])
-    producer.kill()
-    producer.wait()
-    producer = start("capture", *args, f"run_dir={tmp_path}/run")
-    out = finish(trainer)
-    finish(producer)
-    assert "resumed from" in out and "step 4" in out
+    try:
+        wait_for(lambda: (tmp_path / "run" / "checkpoints" / "latest").exists() and trainer_at(6), [producer, trainer])
+        trainer.kill()
+        trainer.wait()
+        trainer = start("train.py", *trainer_args, "resume=true")
+        wait_for(lambda: trainer_at(7), [producer, trainer])
+        producer.kill()
+        producer.wait()
+        units_before = read(stream / "producer.json")["units"]
+        producer = start("capture", *args, f"run_dir={tmp_path}/run")
+        out = finish(trainer)
+        finish(producer)
+    finally:
+        sampler.stop.set()
+        sampler.join()
+    assert "resumed from" in out and "at step 4" in out
+    assert 0 < sampler.max <= BUDGET_GB * GB, sampler.max
+    assert read(stream / "producer.json")["units"] < units_before      # the restarted producer wrote units
     assert train_losses(tmp_path / "run") == train_losses(offline)
     assert_same_weights(tmp_path / "run", offline)
