@@ -286,10 +286,7 @@ def offline_data(c, target) -> Data:
     """The feature dataset at data.features_dir, checked against the target, aux layers and chat template."""
     features_dir = Path(c.data.features_dir)
     ds = FeatureDataset(features_dir)
-    tok = chat.load_tokenizer(target.dir, c.target)
-    check_compatible(ds.manifest, {"target": {"fingerprint": target.info.fingerprint}, "aux_layers": target.aux_layers,
-                                   "hidden_size": target.info.hidden_size,
-                                   "tokenizer": {"chat_template_sha256": template_sha256(tok.chat_template)}},
+    check_compatible(ds.manifest, feature_expectations(target, chat.load_tokenizer(target.dir, c.target)),
                      where=str(features_dir))
     # the split is a function of the conversation id (eagle3.data.is_heldout), so it holds for any
     # dataset of the same conversations, whatever fraction the capture was run with
@@ -315,39 +312,28 @@ def online_data(c, target, device, dtype) -> Data:
 
 def stream_data(c, target, is_main: bool) -> Data:
     """Shards as a producer captures them into data.stream_dir, deleted once used, within
-    data.disk_budget_gb (docs/streaming.md). With the in-process capture the producer is a subprocess of
-    this run; otherwise it is started on its own: `python -m capture <the same overrides>`."""
+    data.disk_budget_gb (docs/streaming.md). Train samples are indexed by epoch and position (the
+    epoch says which shard file holds them), held-out ones are negative."""
     from eagle3.data import load_samples
     from eagle3.stream import StreamError, StreamReader, open_stream, plan_stream
 
-    _, train, held = load_samples(target.dir, c.target, c.data, c.capture)
+    tok, train, held = load_samples(target.dir, c.target, c.data, c.capture)
     try:
         st = plan_stream(train, held, c.data, c.capture, c.train, len(target.aux_layers), target.info.hidden_size)
         if is_main:
             open_stream(st.root, st.identity)
     except StreamError as e:
         sys.exit(f"error: {e}")
-    tok = chat.load_tokenizer(target.dir, c.target)
-    expected = {"target": {"fingerprint": target.info.fingerprint}, "aux_layers": target.aux_layers,
-                "hidden_size": target.info.hidden_size,
-                "tokenizer": {"chat_template_sha256": template_sha256(tok.chat_template)}}
-    producer, alive = None, lambda: None
-    reader = StreamReader(st.root, st.sched, c.train.seed, [s.id for s in train], expected, is_main)
+    reader = StreamReader(st.root, st.sched, c.train.seed, [s.id for s in train], feature_expectations(target, tok),
+                          is_main)
+    producer = None
     if is_main:
         latest = checkpoint.latest(Path(c.run_dir)) if c.resume else None
         reader.start(checkpoint.step_of(latest) if latest else 0)    # before a producer can read a stale `done`
-        overrides = [a for a in sys.argv[1:] if not a.startswith("resume")]
-        if captures_in_process(c):
-            producer = subprocess.Popen([sys.executable, "-m", "capture", *overrides], cwd=Path(__file__).parent,
-                                        env=dict(os.environ, **{STREAM_PARENT_ENV: str(os.getpid())}))
-
-            def alive():
-                rc = producer.poll()
-                return None if rc is None else f"the stream producer exited with code {rc} (its output is above)"
-        else:
-            print(f"[stream] the producer runs on its own; start it where {st.root} is reachable:\n"
-                  f"    python -m capture {' '.join(overrides)}", flush=True)
-    reader.producer_alive = alive
+        producer = start_producer(c, st.root)
+    if producer is not None:
+        reader.producer_alive = lambda: None if producer.poll() is None else \
+            f"the stream producer exited with code {producer.returncode} (its output is above)"
 
     def close():
         reader.close()
@@ -361,6 +347,26 @@ def stream_data(c, target, is_main: bool) -> Data:
                 f"stream {st.root} ({n} train / {len(st.heldout)} held-out samples, {st.sched.num_shards} shards "
                 f"an epoch, budget {st.budget / 1e9:g} GB{', shards reused' if c.data.stream_reuse else ''})",
                 batch_of=reader.batch_of, close=close)
+
+
+def start_producer(c, root: Path) -> subprocess.Popen | None:
+    """The stream's producer, `python -m capture` with this run's overrides, as a subprocess when the
+    capture runs in-process (it stops when this process is gone); otherwise None, and the command to
+    start it on its own."""
+    overrides = [a for a in sys.argv[1:] if not a.startswith("resume")]
+    if not captures_in_process(c):
+        print(f"[stream] the producer runs on its own; start it where {root} is reachable:\n"
+              f"    python -m capture {' '.join(overrides)}", flush=True)
+        return None
+    return subprocess.Popen([sys.executable, "-m", "capture", *overrides], cwd=Path(__file__).parent,
+                            env=dict(os.environ, **{STREAM_PARENT_ENV: str(os.getpid())}))
+
+
+def feature_expectations(target, tok) -> dict:
+    """What a feature dataset's manifest must say to be this target's, for these aux layers and chat template."""
+    return {"target": {"fingerprint": target.info.fingerprint}, "aux_layers": target.aux_layers,
+            "hidden_size": target.info.hidden_size,
+            "tokenizer": {"chat_template_sha256": template_sha256(tok.chat_template)}}
 
 
 def draft_vocab(data: Data, vocab_size: int, draft_size: int, path: Path, resume: bool,

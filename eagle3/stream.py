@@ -436,6 +436,8 @@ def produce(root: Path, sched: Schedule, train_samples: Sequence[Any], held_samp
     root = Path(root)
     lock = ProducerLock(root)
     say_full, say_idle, made, t0, tokens = Every(), Every(), 0, time.monotonic(), 0
+    # a `done` already there is the previous trainer's: wait for a new one rather than stop
+    stale = (read_json(root / TRAINER) or {}).get("done", False)
     try:
         for name in listing(root)[1]:                 # a killed producer's partial unit and trash
             shutil.rmtree(root / name, ignore_errors=True)
@@ -445,8 +447,14 @@ def produce(root: Path, sched: Schedule, train_samples: Sequence[Any], held_samp
         while not orphaned():
             units, leftovers = listing(root)          # list first, then read `next` (see the module doc)
             state = read_json(root / TRAINER) or {"next": 0, "done": False}
-            if state["done"]:
+            stale = stale and state["done"]
+            if state["done"] and not stale:
                 break
+            if stale:
+                if say_idle():
+                    print(f"[stream] producer: the trainer of {root} is done; waiting for a new one", flush=True)
+                time.sleep(POLL)
+                continue
             first = state["next"]
             for name in leftovers:
                 shutil.rmtree(root / name, ignore_errors=True)

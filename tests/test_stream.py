@@ -4,13 +4,11 @@ same order (train.order=shards), a SIGKILLed trainer or producer resumes to thos
 a budget that cannot work is refused up front."""
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
