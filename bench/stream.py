@@ -10,7 +10,8 @@ Every run is the entry point's own command (printed before it runs), each in a d
 under --out; trailing key=value arguments go to all of them. The offline run trains in shard order
 (train.order=shards), the order a stream run trains in, so both read the same batches. A stream
 trainer faster than its producer waits: its tokens/s is then the producer's, which is what this
-measures. The capture run's rate includes loading the target.
+measures; its rate also counts the wait for the producer's first shard (loading the target, the
+held-out features), so give it enough steps. The capture run's rate includes loading the target.
 """
 from __future__ import annotations
 
