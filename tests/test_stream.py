@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -102,6 +103,99 @@ def test_schedule_is_each_sample_once_an_epoch_in_shard_order():
     assert small.end == 14 and small.used(13) and not small.used(14)
     reuse = Schedule(lengths, 200, 4, 25, reuse=True)
     assert reuse.next_use(reuse.name(1), first=2) == reuse.num_shards + 1    # the same shard next epoch
+
+
+H = 1024     # hidden size of the fake features: a unit of 60 tokens is ~0.5 MB, well above its metadata
+
+
+def fake_stream(tmp_path, reuse, budget_units):
+    """A producer thread over 30 fake samples whose features encode (sample, token); the budget holds
+    the held-out unit and `budget_units` of the largest units (0: all of them)."""
+    from eagle3.features import FeatureWriter, make_meta
+    from eagle3.stream import Stream, produce, unit_reserve
+
+    gen = torch.Generator().manual_seed(0)
+    samples = [SimpleNamespace(id=f"c{i}", input_ids=torch.randint(0, 100, (int(n),), generator=gen).tolist())
+               for i, n in enumerate(torch.randint(5, 30, (34,), generator=gen))]
+    train, held = samples[:30], samples[30:]
+    meta = make_meta(target_name="fake", target_fingerprint="f", arch="llama", aux_layers=[1], hidden_size=H,
+                     tokenizer_name="", chat_template="", engine="fake", engine_version="0", data={})
+
+    def capture(batch, out):
+        w = FeatureWriter(out, meta, [x.id for x in batch], [len(x.input_ids) for x in batch],
+                          dtype="float32", shard_tokens=10 ** 9)
+        for x in batch:
+            T, v = len(x.input_ids), float(x.id[1:])
+            rows = torch.arange(T, dtype=torch.float32)[:, None] + 1000 * v
+            w.add(x.id, x.input_ids, [1] * T, rows.expand(T, H), rows.expand(T, H) + 0.5)
+        return w.finish()
+
+    sched = Schedule([len(x.input_ids) for x in train], shard_tokens=60, batch_size=4, total=17, reuse=reuse)
+    size = dict(heldout_ids=[], num_aux=1, hidden=H, dtype="float32")
+    reserve = [unit_reserve([sched.lengths[i] for i in idx], [train[i].id for i in idx], **size) for idx in sched.plan]
+    held_reserve = unit_reserve([len(x.input_ids) for x in held], [x.id for x in held], **size)
+    budget = held_reserve + (budget_units * max(reserve) if budget_units else sum(reserve))
+    st = Stream(tmp_path / "stream", sched, held, reserve, held_reserve, budget, {})
+    st.root.mkdir()
+    thread = threading.Thread(target=produce, args=(st.root, sched, train, held, capture, reserve, held_reserve,
+                                                    budget), daemon=True)
+    return st, train, thread
+
+
+def read_steps(st, train, steps, sampler):
+    """Train-side reads of `steps`: each batch holds the scheduled samples with their own features."""
+    from eagle3.stream import StreamReader
+
+    reader = StreamReader(st.root, st.sched, 7, [x.id for x in train], {}, is_main=True)
+    reader.start(steps[0])
+    for step in steps:
+        idx = reader.batch_of(step)
+        bt = reader.make_batch(idx)
+        want = [train[i].id for i in st.sched.batch(step, 7)]
+        assert bt.sample_ids == want, step
+        for b, sid in enumerate(want):
+            T = len(train[int(sid[1:])].input_ids)
+            assert torch.equal(bt.aux[b, :T, 0], torch.arange(T) + 1000.0 * int(sid[1:])), (step, sid)
+        held = reader.make_batch([-1, -2])
+        assert held.sample_ids == ["c30", "c31"]
+        assert sampler.max <= st.budget, (step, sampler.max, st.budget)
+    return reader
+
+
+@pytest.mark.parametrize("reuse,budget_units", [(False, 2), (True, 2), (True, 0)])
+def test_protocol_in_threads_reads_the_schedule_within_the_budget_across_a_resume(tmp_path, reuse, budget_units):
+    """Producer thread, trainer reads: every batch is the scheduled samples with their features and
+    the directory stays within the budget; a trainer that restarts at an earlier step (a resume)
+    gets the units it had deleted captured again. Capturing every epoch, each unit read is written
+    once more for the resume; with reuse and room for all, each shard is written once, plus those
+    the trainer had already deleted as used for the last time."""
+    st, train, producer = fake_stream(tmp_path, reuse, budget_units)
+    sampler = DirSampler(st.root)
+    sampler.start()
+    producer.start()
+    try:
+        read_steps(st, train, range(0, 14), sampler)      # killed after step 13
+        reader = read_steps(st, train, range(5, 17), sampler)          # resumed from a step-5 checkpoint
+        reader.close()
+        producer.join(timeout=60)
+        assert not producer.is_alive()
+    finally:
+        sampler.stop.set()
+        sampler.join()
+    sched = st.sched
+    assert sampler.samples > 50 and sched.num_shards >= 5
+    written = read(st.root / "producer.json")["units"]
+    at_resume, at_kill = sched.span(5)[0], sched.span(13)[0]
+    if not reuse:
+        assert sampler.max > st.budget - 2 * max(st.reserve)          # the budget was what held it back
+        logical = sum(sched.used(g) for g in range(sched.end))
+        assert logical + (at_kill - at_resume) <= written <= logical + sched.span(13)[1] + 3 - at_resume
+    elif budget_units == 0:
+        names = {sched.name(g) for g in range(sched.end)}
+        again = [n for n in names if sched.next_use(n, at_kill) is None and sched.next_use(n, at_resume) is not None]
+        read_at_all = [n for n in names if sched.next_use(n, 0) is not None]   # not the remainder's shard
+        assert again and written == len(read_at_all) + len(again)
+    assert not [p for p in st.root.iterdir() if p.name.startswith(("p0", "s0"))]   # all acknowledged and deleted
 
 
 def test_budget_below_one_batchs_shards_is_refused_with_sizes_and_fix():
