@@ -1,30 +1,17 @@
 """Streaming training on a fixed disk budget: the capture writes feature shards into a directory while
-training reads them, and what training has used is deleted (docs/streaming.md).
+training reads them, and what training has used is deleted (docs/streaming.md has the layout).
 
-Order. Epoch p is the train samples' shard plan (plan_shards over the ordered train samples, at
-capture.shard_tokens) in plan order, each shard's samples shuffled by a generator seeded from
-(seed, p, shard); batch k is epoch positions [kB, (k+1)B), the remainder dropped. It depends on
-nothing but the samples and the settings, so a producer and a trainer on different machines agree
-on it, and an offline run with train.order=shards trains on exactly the same batches.
+Order: epoch p is the train samples' shard plan (plan_shards at capture.shard_tokens) in plan order,
+each shard shuffled by a generator seeded from (seed, p, shard); batch k is epoch positions
+[kB, (k+1)B). A function of the samples and settings only, so producer and trainer agree on it on
+any machine, and train.order=shards gives an offline run the same batches.
 
-Units. Shard s of epoch p is the logical unit g = p*S + s. On disk it is a finished one-shard
-feature dataset, `p0001-s000003/` (each epoch captures again), or `s000003/` with data.stream_reuse
-(kept across epochs while the budget allows). A unit appears by a directory rename, so a reader
-sees a whole one or none.
-
-Protocol (files only, atomic renames, safe on a shared filesystem):
-    stream.json    the schedule; producer and trainer refuse to work on a different one
-    trainer.json   {"next": the first logical unit the trainer still needs, "done", step, tok/s}:
-                   the trainer's acknowledgement; every unit with no use at or after `next` is dead
-    producer.json  the producer's progress and rate (for the trainer's messages)
-    producer.lock  flock'ed by the one producer at work
-    heldout/       the held-out features evaluation reads, kept for the whole run
-The trainer deletes dead units after publishing `next`; the producer deletes them too (a trainer
-killed in between), captures the first missing unit at or after `next`, and, when it does not fit,
-first evicts the units whose next use is farthest away (after a resume moved `next` back, or with
-reuse), else waits. A resumed trainer publishes the `next` of its checkpoint's step, possibly
-earlier than before; the producer captures again what was deleted. So neither side keeps a
-position of its own beyond the trainer's checkpoint step.
+Shard s of epoch p is the logical unit g = p*S + s, on disk a finished one-shard feature dataset
+renamed into place. The trainer's acknowledgement is trainer.json's `next`, the first unit it still
+needs: units with no use at or after it are dead and deleted, by either side. The producer captures
+the first missing unit at or after `next` when it fits the budget, evicting units needed later
+than it if need be. A resumed trainer publishes its checkpoint step's `next`, possibly earlier, and
+the producer captures again what was deleted: no side keeps a position beyond that checkpoint.
 """
 from __future__ import annotations
 
