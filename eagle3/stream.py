@@ -138,12 +138,12 @@ def shard_bytes(lengths: Sequence[int], num_aux: int, hidden: int, dtype: str, a
     return len(header_bytes(header)) + body
 
 
-def unit_reserve(lengths: Sequence[int], ids: Sequence[str], heldout_ids: Sequence[str], num_aux: int,
-                 hidden: int, dtype: str, aux_dtype: str = "") -> int:
+def unit_reserve(lengths: Sequence[int], ids: Sequence[str], meta_bytes: int, num_aux: int, hidden: int,
+                 dtype: str, aux_dtype: str = "") -> int:
     """The most a unit (or heldout/) holds on disk while it is written: the shard, and progress.json
-    and manifest.json side by side at the commit, each with the sample ids and the capture's data
-    settings (which list the held-out ids)."""
-    names = len(json.dumps(list(map(str, ids)), indent=1)) + len(json.dumps(list(map(str, heldout_ids)), indent=1))
+    and manifest.json side by side at the commit, each with the sample ids and the capture's
+    settings; meta_bytes: the JSON of those settings' variable part (they list the held-out ids)."""
+    names = len(json.dumps(list(map(str, ids)), indent=1)) + meta_bytes
     return shard_bytes(lengths, num_aux, hidden, dtype, aux_dtype) + 3 * names + 64 * 1024
 
 
@@ -212,11 +212,11 @@ def plan_stream(train: Sequence[Any], held: Sequence[Any], data: DataConfig, cap
                      total_steps(t.steps, t.epochs, len(train), t.batch_size), data.stream_reuse)
     # evaluation reads the first eval_batches global batches of the held-out samples (train.heldout_eval)
     heldout = list(held[:t.eval_batches * t.batch_size])
-    held_ids = [str(x.id) for x in held]
+    meta_bytes = len(json.dumps([str(x.id) for x in held], indent=1))
     size = dict(num_aux=num_aux, hidden=hidden, dtype=capture.dtype, aux_dtype=capture.aux_dtype)
-    reserve = [unit_reserve([lengths[i] for i in idx], [str(train[i].id) for i in idx], held_ids, **size)
+    reserve = [unit_reserve([lengths[i] for i in idx], [str(train[i].id) for i in idx], meta_bytes, **size)
                for idx in sched.plan]
-    heldout_reserve = unit_reserve([len(x.input_ids) for x in heldout], [str(x.id) for x in heldout], held_ids,
+    heldout_reserve = unit_reserve([len(x.input_ids) for x in heldout], [str(x.id) for x in heldout], meta_bytes,
                                    **size) if heldout else 0
     budget = int(data.disk_budget_gb * GB)
     check_budget(sched, reserve, heldout_reserve, budget)

@@ -131,7 +131,7 @@ def fake_stream(tmp_path, reuse, budget_units):
         return w.finish()
 
     sched = Schedule([len(x.input_ids) for x in train], shard_tokens=60, batch_size=4, total=17, reuse=reuse)
-    size = dict(heldout_ids=[], num_aux=1, hidden=H, dtype="float32")
+    size = dict(meta_bytes=0, num_aux=1, hidden=H, dtype="float32")
     reserve = [unit_reserve([sched.lengths[i] for i in idx], [train[i].id for i in idx], **size) for idx in sched.plan]
     held_reserve = unit_reserve([len(x.input_ids) for x in held], [x.id for x in held], **size)
     budget = held_reserve + (budget_units * max(reserve) if budget_units else sum(reserve))
