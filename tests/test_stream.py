@@ -137,9 +137,13 @@ def fake_stream(tmp_path, reuse, budget_units):
     budget = held_reserve + (budget_units * max(reserve) if budget_units else sum(reserve))
     st = Stream(tmp_path / "stream", sched, held, reserve, held_reserve, budget, {})
     st.root.mkdir()
-    thread = threading.Thread(target=produce, args=(st.root, sched, train, held, capture, reserve, held_reserve,
-                                                    budget), daemon=True)
-    return st, train, thread
+
+    def start_producer():
+        thread = threading.Thread(target=produce, args=(st.root, sched, train, held, capture, reserve, held_reserve,
+                                                        budget), daemon=True)
+        thread.start()
+        return thread
+    return st, train, start_producer
 
 
 def read_steps(st, train, steps, sampler):
@@ -169,10 +173,10 @@ def test_protocol_in_threads_reads_the_schedule_within_the_budget_across_a_resum
     gets the units it had deleted captured again. Capturing every epoch, each unit read is written
     once more for the resume; with reuse and room for all, each shard is written once, plus those
     the trainer had already deleted as used for the last time."""
-    st, train, producer = fake_stream(tmp_path, reuse, budget_units)
+    st, train, start_producer = fake_stream(tmp_path, reuse, budget_units)
     sampler = DirSampler(st.root)
     sampler.start()
-    producer.start()
+    producer = start_producer()
     try:
         read_steps(st, train, range(0, 14), sampler)      # killed after step 13
         reader = read_steps(st, train, range(5, 17), sampler)          # resumed from a step-5 checkpoint
@@ -196,6 +200,26 @@ def test_protocol_in_threads_reads_the_schedule_within_the_budget_across_a_resum
         read_at_all = [n for n in names if sched.next_use(n, 0) is not None]   # not the remainder's shard
         assert again and written == len(read_at_all) + len(again)
     assert not [p for p in st.root.iterdir() if p.name.startswith(("p0", "s0"))]   # all acknowledged and deleted
+
+
+def test_a_producer_on_a_finished_stream_waits_for_the_next_trainer(tmp_path, capsys):
+    """The `done` of a finished run is not the next run's: a producer started then waits, and serves a
+    trainer that starts the same schedule again in the same directory."""
+    st, train, start_producer = fake_stream(tmp_path, reuse=False, budget_units=0)
+    sampler = DirSampler(st.root)
+    sampler.start()
+    start_producer()
+    read_steps(st, train, range(0, 17), sampler).close()
+    again = start_producer()
+    time.sleep(1.0)
+    assert again.is_alive() and "is done; waiting for a new one" in capsys.readouterr().out
+    try:
+        read_steps(st, train, range(0, 17), sampler).close()
+        again.join(timeout=60)
+        assert not again.is_alive()
+    finally:
+        sampler.stop.set()
+        sampler.join()
 
 
 def test_budget_below_one_batchs_shards_is_refused_with_sizes_and_fix():
