@@ -368,7 +368,9 @@ class StreamReader:
             path = self.root / name
             if (path / "manifest.json").exists():
                 try:
-                    self.units[name] = FeatureDataset(path, expected=self.expected)
+                    ds = FeatureDataset(path, expected=self.expected)
+                    ds.length(0)                     # maps the shard now: later deletes cannot pull it away
+                    self.units[name] = ds
                     break
                 except (FileNotFoundError, FeatureDatasetError):
                     if (path / "manifest.json").exists():   # not deleted under us: really broken
