@@ -4,6 +4,7 @@
     python train.py +experiment=tiny                  # seconds
     accelerate launch --num_processes 8 train.py +experiment=kimi_k25
     python train.py +experiment=tiny resume=true      # continue exactly from the last checkpoint
+    python train.py +experiment=tiny train.mode=stream data.disk_budget_gb=0.01   # capture while training
     python -m eagle3.export runs/tiny                 # export the latest checkpoint of a run cut short
 
 Setup, then one plain step loop (logging, held-out evaluation and checkpoints are `if` blocks inside
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import subprocess
 import sys
 import time
 from collections import deque
@@ -33,8 +35,9 @@ from eagle3.loss import TTTOutput, step_counts, target_teacher, unigram_correct
 from eagle3.losses import check_loss
 from eagle3.model import Eagle3Drafter, drafter_shape
 from eagle3.optim import adamw, clip_grad_norm
+from eagle3.stream import Schedule, total_steps
 from eagle3.plots import plot_runs
-from capture.run import capture_features
+from capture.run import STREAM_PARENT_ENV, capture_features
 from capture.sglang_server import free_port
 from eagle3.targets import load_final_norm, load_head, prepare_target
 from eagle3.training import RATE_WINDOW, Logger, Objective, StepStats, eta_seconds
@@ -100,7 +103,12 @@ def main(cfg) -> None:
             print(f"[train] feature dataset {features_dir} missing: capturing it in-process first")
             capture_features(target.dir, aux_layers, c.target, c.data, c.capture, features_dir)
         acc.wait_for_everyone()
-    data = offline_data(c, target) if c.train.mode == "offline" else online_data(c, target, device, compute_dtype)
+    if c.train.mode == "stream":
+        data = stream_data(c, target, is_main)
+    elif c.train.mode == "offline":
+        data = offline_data(c, target)
+    else:
+        data = online_data(c, target, device, compute_dtype)
     if len(data.train) < c.train.batch_size:
         sys.exit(f"error: {len(data.train)} training samples is fewer than train.batch_size="
                  f"{c.train.batch_size}; raise data.num_samples or lower the batch size")
@@ -123,7 +131,7 @@ def main(cfg) -> None:
         acc.state.deepspeed_plugin.deepspeed_config.update(train_micro_batch_size_per_gpu=micro,
                                                            gradient_accumulation_steps=per_rank // micro)
     model, optimizer = acc.prepare(model, optimizer)
-    total = c.train.steps or max(1, int(c.train.epochs * (len(data.train) // c.train.batch_size)))
+    total = total_steps(c.train.steps, c.train.epochs, len(data.train), c.train.batch_size)
     start = checkpoint.load_latest(acc, run_dir) if c.resume else 0
     if is_main:
         checkpoint.trim_metrics(run_dir / "metrics.jsonl", start)
@@ -137,7 +145,7 @@ def main(cfg) -> None:
               f"ttt {c.train.ttt_steps}, device {device}, world {world}")
 
     S, shard = c.train.ttt_steps, slice(rank * per_rank, (rank + 1) * per_rank)
-    lengths = torch.tensor([data.length_of(i) for i in data.train]) if c.train.length_groups > 1 else None
+    batch_of = batch_order(c, data, total)
     # DDP averages gradients over ranks and DeepSpeed also divides by its accumulation steps; each
     # micro-batch's loss is already its share of the global batch's loss, so undo both.
     grad_scale = world * (per_rank // micro if use_ds else 1)
@@ -167,10 +175,9 @@ def main(cfg) -> None:
         lr = lr_at(step, total, c.optim.lr, c.optim.warmup_fraction, c.optim.min_lr_fraction)
         for g in optimizer.param_groups:
             g["lr"] = lr
-        idx = batch_indices(step, len(data.train), c.train.batch_size, c.train.seed, lengths, c.train.length_groups)
         model.train()
         stats = StepStats(S)
-        parts, norm = prepare([data.train[i] for i in idx[shard]])
+        parts, norm = prepare(batch_of(step)[shard])
         for bt, teacher in parts:
             out = run_loss(bt, teacher, norm)
             if not torch.isfinite(out.loss):
@@ -205,6 +212,7 @@ def main(cfg) -> None:
             checkpoint.save(acc, run_dir, step + 1, vocab_path)
 
     # ---- save, export, curves ----
+    data.close()
     checkpoint.save(acc, run_dir, total, vocab_path)
     full = acc.get_state_dict(model)   # ZeRO-3: gathered by every rank, returned on the main one only
     if is_main:
@@ -244,23 +252,41 @@ def make_accelerator(c):
 
 @dataclass
 class Data:
-    """The training samples, offline or online, as indices into one sample space and functions of them."""
+    """The training samples, offline, online or streamed, as indices into one sample space and functions of them."""
     train: list[int]
     held: list[int]
     tokens_of: Callable[[int], tuple]           # i -> (input_ids, loss_mask), for the draft vocabulary
     length_of: Callable[[int], int]             # i -> tokens, for batches of similar length
     make_batch: Callable[[list[int]], Batch]
     desc: str
+    batch_of: Callable[[int], list[int]] | None = None   # step -> its global batch, when the source fixes the order
+    close: Callable[[], None] = lambda: None
+
+
+def batch_order(c, data: Data, total: int) -> Callable[[int], list[int]]:
+    """step -> the sample indices of its global batch: the source's own order (stream); with
+    train.order=shards the stream's order over the train samples (eagle3/stream.py), so an offline run
+    trains on the batches a stream run of the same samples does; else a seeded permutation per epoch."""
+    if c.train.order not in ("random", "shards"):
+        sys.exit(f"error: train.order={c.train.order!r}: expected random or shards")
+    if c.train.length_groups > 1 and (data.batch_of is not None or c.train.order == "shards"):
+        sys.exit("error: train.length_groups groups a random order; the shard order (train.order=shards, "
+                 "train.mode=stream) keeps each shard's samples together instead: set train.length_groups=0")
+    if data.batch_of is not None:
+        return data.batch_of
+    if c.train.order == "shards":
+        sched = Schedule([data.length_of(i) for i in data.train], c.capture.shard_tokens, c.train.batch_size, total)
+        return lambda step: [data.train[i] for i in sched.batch(step, c.train.seed)]
+    lengths = torch.tensor([data.length_of(i) for i in data.train]) if c.train.length_groups > 1 else None
+    return lambda step: [data.train[i] for i in batch_indices(step, len(data.train), c.train.batch_size,
+                                                              c.train.seed, lengths, c.train.length_groups)]
 
 
 def offline_data(c, target) -> Data:
     """The feature dataset at data.features_dir, checked against the target, aux layers and chat template."""
     features_dir = Path(c.data.features_dir)
     ds = FeatureDataset(features_dir)
-    tok = chat.load_tokenizer(target.dir, c.target)
-    check_compatible(ds.manifest, {"target": {"fingerprint": target.info.fingerprint}, "aux_layers": target.aux_layers,
-                                   "hidden_size": target.info.hidden_size,
-                                   "tokenizer": {"chat_template_sha256": template_sha256(tok.chat_template)}},
+    check_compatible(ds.manifest, feature_expectations(target, chat.load_tokenizer(target.dir, c.target)),
                      where=str(features_dir))
     # the split is a function of the conversation id (eagle3.data.is_heldout), so it holds for any
     # dataset of the same conversations, whatever fraction the capture was run with
@@ -282,6 +308,65 @@ def online_data(c, target, device, dtype) -> Data:
     return Data(list(range(n_train)), list(range(n_train, len(src.samples))), src.tokens,
                 lambda i: len(src.samples[i].input_ids), src.batch,
                 f"online target {target.dir} ({n_train} train / {len(src.samples) - n_train} held-out)")
+
+
+def stream_data(c, target, is_main: bool) -> Data:
+    """Shards as a producer captures them into data.stream_dir, deleted once used, within
+    data.disk_budget_gb (docs/streaming.md). Train samples are indexed by epoch and position (the
+    epoch says which shard file holds them), held-out ones are negative."""
+    from eagle3.data import load_samples
+    from eagle3.stream import StreamError, StreamReader, open_stream, plan_stream
+
+    tok, train, held = load_samples(target.dir, c.target, c.data, c.capture)
+    try:
+        st = plan_stream(train, held, c.data, c.capture, c.train, len(target.aux_layers), target.info.hidden_size)
+        if is_main:
+            open_stream(st.root, st.identity)
+    except StreamError as e:
+        sys.exit(f"error: {e}")
+    reader = StreamReader(st.root, st.sched, c.train.seed, [s.id for s in train], feature_expectations(target, tok),
+                          is_main)
+    producer = None
+    if is_main:
+        latest = checkpoint.latest(Path(c.run_dir)) if c.resume else None
+        reader.start(checkpoint.step_of(latest) if latest else 0)    # before a producer can read a stale `done`
+        producer = start_producer(c, st.root)
+    if producer is not None:
+        reader.producer_alive = lambda: None if producer.poll() is None else \
+            f"the stream producer exited with code {producer.returncode} (its output is above)"
+
+    def close():
+        reader.close()
+        if producer is not None:
+            producer.wait()
+
+    n = len(train)
+    return Data(list(range(n)), [-1 - h for h in range(len(st.heldout))],
+                lambda i: (torch.tensor(train[i].input_ids), torch.tensor(train[i].loss_mask)),
+                lambda i: len(train[i].input_ids), reader.make_batch,
+                f"stream {st.root} ({n} train / {len(st.heldout)} held-out samples, {st.sched.num_shards} shards "
+                f"an epoch, budget {st.budget / 1e9:g} GB{', shards reused' if c.data.stream_reuse else ''})",
+                batch_of=reader.batch_of, close=close)
+
+
+def start_producer(c, root: Path) -> subprocess.Popen | None:
+    """The stream's producer, `python -m capture` with this run's overrides, as a subprocess when the
+    capture runs in-process (it stops when this process is gone); otherwise None, and the command to
+    start it on its own."""
+    overrides = [a for a in sys.argv[1:] if not a.startswith("resume")]
+    if not captures_in_process(c):
+        print(f"[stream] the producer runs on its own; start it where {root} is reachable:\n"
+              f"    python -m capture {' '.join(overrides)}", flush=True)
+        return None
+    return subprocess.Popen([sys.executable, "-m", "capture", *overrides], cwd=Path(__file__).parent,
+                            env=dict(os.environ, **{STREAM_PARENT_ENV: str(os.getpid())}))
+
+
+def feature_expectations(target, tok) -> dict:
+    """What a feature dataset's manifest must say to be this target's, for these aux layers and chat template."""
+    return {"target": {"fingerprint": target.info.fingerprint}, "aux_layers": target.aux_layers,
+            "hidden_size": target.info.hidden_size,
+            "tokenizer": {"chat_template_sha256": template_sha256(tok.chat_template)}}
 
 
 def draft_vocab(data: Data, vocab_size: int, draft_size: int, path: Path, resume: bool,

@@ -4,6 +4,7 @@
     python -m capture +experiment=tiny
     python -m capture +experiment=kimi_k25 capture.server_url=http://HOST:30000   # SGLang capture server
     python -m capture +experiment=smollm2_peer capture.regenerate_only=true       # the target's answers only
+    python -m capture +experiment=NAME train.mode=stream data.disk_budget_gb=500  # producer of a streaming run
 
 Two stages: with capture.regenerate_only the target answers the conversations (JSONL, for capture
 and online training to read); otherwise the features are captured. An experiment with
@@ -33,6 +34,12 @@ def main(cfg) -> None:
 
         paths = regenerate(target.dir, t, c.data, c.capture, chat.load_tokenizer(target.dir, t), target.info)
         print("[capture] regenerated conversations: " + "  ".join(str(p) for p in paths))
+        return
+    if c.train.mode == "stream":   # the producer of a streaming run (docs/streaming.md)
+        from capture.run import stream_features
+
+        out = stream_features(target.dir, target.aux_layers, t, c.data, c.capture, c.train)
+        print(f"[stream] producer done: {out}")
         return
     from capture.run import capture_features
 

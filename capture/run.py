@@ -1,23 +1,63 @@
-"""Conversations -> feature dataset, for `python -m capture` and for train.py's capture-first default.
+"""Conversations -> feature dataset, for `python -m capture` and for train.py's capture-first default;
+and the producer of train.mode=stream (eagle3/stream.py), which captures the same samples shard by
+shard into the stream directory as training needs them.
 
 Takes the typed config parts (eagle3.config dataclasses), never the Hydra config. Only reads the
 conversations: regenerated ones are written beforehand by capture/regenerate.py.
 """
 from __future__ import annotations
 
-from dataclasses import asdict
+import os
+from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
-from eagle3.config import CaptureConfig, DataConfig, TargetConfig
+from eagle3.config import CaptureConfig, DataConfig, TargetConfig, TrainConfig
 from eagle3.data import load_samples
 from eagle3.targets import load_target_model, model_dtype, pick_device, target_info
+
+# train.py sets it on the producer it launches: the producer stops when that trainer is gone
+STREAM_PARENT_ENV = "EAGLE3_STREAM_PARENT"
 
 
 def capture_features(target_dir: Path, aux_layers: Sequence[int], target: TargetConfig, data: DataConfig,
                      capture: CaptureConfig, out_dir: Path) -> Path:
     info = target_info(target_dir, target.name)
     tok, train, held = load_samples(target_dir, target, data, capture)
+    run = capturer(target_dir, info, tok, aux_layers, target, data, capture, held, progress=True)
+    print(f"[capture] {info.name} ({capture.backend}): {len(train) + len(held)} samples, aux_layers "
+          f"{list(aux_layers)} -> {out_dir}")
+    return run(train + held, out_dir, capture.shard_tokens)
+
+
+def stream_features(target_dir: Path, aux_layers: Sequence[int], target: TargetConfig, data: DataConfig,
+                    capture: CaptureConfig, train_cfg: TrainConfig) -> Path:
+    """The stream producer: returns when the trainer is done (or the trainer that launched it is gone)."""
+    from eagle3.stream import StreamError, open_stream, plan_stream, produce
+
+    info = target_info(target_dir, target.name)
+    tok, train, held = load_samples(target_dir, target, data, capture)
+    if capture.backend == "sglang" and not capture.server_url:
+        raise SystemExit("error: train.mode=stream with capture.backend=sglang captures through a running capture "
+                         "server: start one and pass capture.server_url (docs/streaming.md)")
+    try:
+        st = plan_stream(train, held, data, capture, train_cfg, len(aux_layers), info.hidden_size)
+        open_stream(st.root, st.identity)
+    except StreamError as e:
+        raise SystemExit(f"error: {e}") from None
+    run = capturer(target_dir, info, tok, aux_layers, target, data, capture, held, progress=False)
+    parent = int(os.environ.get(STREAM_PARENT_ENV, "0"))
+    print(f"[stream] producer: {st.sched.num_shards} shards an epoch, logical units up to {st.sched.end}, "
+          f"budget {st.budget:,} bytes -> {st.root}", flush=True)
+    produce(st.root, st.sched, train, st.heldout,
+            lambda samples, out: run(samples, out, sum(len(x.input_ids) for x in samples)),
+            st.reserve, st.heldout_reserve, st.budget, orphaned=lambda: bool(parent) and os.getppid() != parent)
+    return st.root
+
+
+def capturer(target_dir: Path, info, tok, aux_layers: Sequence[int], target: TargetConfig, data: DataConfig,
+             capture: CaptureConfig, held: Sequence[Any], progress: bool) -> Callable[[Sequence[Any], Path, int], Path]:
+    """(samples, out_dir, shard_tokens) -> a finished feature dataset at out_dir, the model loaded once."""
     data_meta = {"source": data.source, "path": data.path, "num_samples": data.num_samples,
                  "max_length": data.max_length, "heldout_fraction": data.heldout_fraction,
                  "turns": data.turns, "max_prompt_chars": data.max_prompt_chars,
@@ -36,12 +76,17 @@ def capture_features(target_dir: Path, aux_layers: Sequence[int], target: Target
                        aux_layers=aux_layers, hidden_size=info.hidden_size,
                        tokenizer_name=getattr(tok, "name_or_path", ""), chat_template=tok.chat_template,
                        data=data_meta)
-        print(f"[capture] {info.name} on {device}: {len(train) + len(held)} samples, aux_layers {list(aux_layers)} "
-              f"-> {out_dir}")
-        return run_capture(model, train + held, out_dir, aux_layers=aux_layers, meta=meta,
-                           batch_tokens=capture.batch_tokens, shard_tokens=capture.shard_tokens,
-                           dtype=capture.dtype, device=device, aux_dtype=capture.aux_dtype)
+
+        def run_hf(samples, out_dir, shard_tokens):
+            return run_capture(model, samples, out_dir, aux_layers=aux_layers, meta=meta,
+                               batch_tokens=capture.batch_tokens, shard_tokens=shard_tokens, dtype=capture.dtype,
+                               device=device, aux_dtype=capture.aux_dtype, progress=progress)
+        return run_hf
     if capture.backend == "sglang":
         from capture.sglang_client import capture_sglang
-        return capture_sglang(target_dir, info, tok, train + held, aux_layers, capture, data_meta, out_dir)
+
+        def run_sglang(samples, out_dir, shard_tokens):
+            return capture_sglang(target_dir, info, tok, samples, aux_layers, replace(capture, shard_tokens=shard_tokens),
+                                  data_meta, out_dir, progress=progress)
+        return run_sglang
     raise SystemExit(f"error: capture.backend={capture.backend!r}: expected 'hf' or 'sglang'")

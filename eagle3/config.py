@@ -61,6 +61,11 @@ class DataConfig:
     turns: int = 0                            # user turns kept per conversation, with their answers (0 = all)
     max_prompt_chars: int = 0                 # skip conversations whose first user turn is this long (0 = no limit)
     features_dir: str = ""                    # the feature dataset (offline training reads it, capture writes it)
+    # train.mode=stream (docs/streaming.md): the directory the producer writes shards into and the
+    # trainer deletes them from (shared by both machines when they differ); "" = <features_dir>.stream
+    stream_dir: str = ""
+    disk_budget_gb: float = 0.0               # stream: the most stream_dir may hold, in 10^9 bytes (required)
+    stream_reuse: bool = False                # stream: keep shards for later epochs while they fit, instead of capturing each epoch again
 
 
 @dataclass
@@ -108,7 +113,8 @@ class TrainConfig:
     ttt_steps: int = 7
     step_decay: float = 0.8
     loss: str = "soft_ce"                     # soft_ce | kl | tv | jsd | lk | lk_alpha (eagle3/losses.py, docs/ttt.md)
-    mode: str = "offline"                     # offline: feature dataset | online: target in-process
+    mode: str = "offline"                     # offline: feature dataset | online: target in-process | stream: capture while training (docs/streaming.md)
+    order: str = "random"                     # random: a seeded permutation per epoch | shards: stream order (eagle3/stream.py), which train.mode=stream always uses
     log_every: int = 10
     eval_every: int = 100
     eval_batches: int = 8

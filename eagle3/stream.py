@@ -1,0 +1,496 @@
+"""Streaming training on a fixed disk budget: the capture writes feature shards into a directory while
+training reads them, and what training has used is deleted (docs/streaming.md has the layout).
+
+Order: epoch p is the train samples' shard plan (plan_shards at capture.shard_tokens) in plan order,
+each shard shuffled by a generator seeded from (seed, p, shard); batch k is epoch positions
+[kB, (k+1)B). A function of the samples and settings only, so producer and trainer agree on it on
+any machine, and train.order=shards gives an offline run the same batches.
+
+Shard s of epoch p is the logical unit g = p*S + s, on disk a finished one-shard feature dataset
+renamed into place. The trainer's acknowledgement is trainer.json's `next`, the first unit it still
+needs: units with no use at or after it are dead and deleted, by either side. The producer captures
+the first missing unit at or after `next` when it fits the budget, evicting units needed later
+than it if need be. A resumed trainer publishes its checkpoint step's `next`, possibly earlier, and
+the producer captures again what was deleted: no side keeps a position beyond that checkpoint.
+"""
+from __future__ import annotations
+
+import bisect
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from eagle3.config import CaptureConfig, DataConfig, TrainConfig
+from eagle3.durable import fsync_dir
+from eagle3.features import FeatureDataset, FeatureDatasetError, collate, plan_shards
+from eagle3.shards import AUX_DTYPES, FLOAT_DTYPES, header_bytes, layout
+
+GB = 10 ** 9                       # data.disk_budget_gb counts decimal gigabytes
+POLL = 0.05                        # seconds between looks at the directory while waiting
+SAY_EVERY = 30.0                   # seconds between two "waiting" messages of one kind
+HELDOUT = "heldout"
+STREAM, TRAINER, PRODUCER, LOCK = "stream.json", "trainer.json", "producer.json", "producer.lock"
+
+
+class StreamError(Exception):
+    """A stream directory or budget that cannot work, with what to change."""
+
+
+def total_steps(steps: int, epochs: float, num_train: int, batch_size: int) -> int:
+    """train.steps, or epochs x full batches per epoch."""
+    return steps or max(1, int(epochs * (num_train // batch_size)))
+
+
+class Schedule:
+    """Which samples every step trains on and which units hold them; a function of the ordered train
+    samples' lengths and the settings only (see the module doc)."""
+
+    def __init__(self, lengths: Sequence[int], shard_tokens: int, batch_size: int, total: int,
+                 reuse: bool = False):
+        self.lengths, self.batch_size, self.total, self.reuse = [int(n) for n in lengths], batch_size, total, reuse
+        self.plan = plan_shards(self.lengths, shard_tokens)
+        self.starts = [idx[0] for idx in self.plan]            # epoch position of each shard's first sample
+        self.n, self.num_shards = len(self.lengths), len(self.plan)
+        self.per_epoch = self.n // batch_size
+        if self.per_epoch == 0:
+            raise StreamError(f"{self.n} training samples is fewer than train.batch_size={batch_size}")
+        self.end = self.span(total - 1)[1] + 1                  # logical units [0, end) hold every step
+        self._orders: Dict[tuple, List[int]] = {}
+
+    def shard_of(self, position: int) -> int:
+        return bisect.bisect_right(self.starts, position) - 1
+
+    def order(self, seed: int, p: int, s: int) -> List[int]:
+        """Shard s's sample positions in epoch p's order."""
+        key = (seed, p, s)
+        if key not in self._orders:
+            if len(self._orders) > 4096:
+                self._orders.clear()
+            gen = torch.Generator().manual_seed((seed * 1_000_003 + p) * 1_000_003 + s)
+            self._orders[key] = [self.plan[s][j] for j in torch.randperm(len(self.plan[s]), generator=gen).tolist()]
+        return self._orders[key]
+
+    def batch(self, step: int, seed: int) -> List[int]:
+        """The sample positions (into the train samples) of `step`'s global batch."""
+        p, k = divmod(step, self.per_epoch)
+        out = []
+        for q in range(k * self.batch_size, (k + 1) * self.batch_size):
+            s = self.shard_of(q)
+            out.append(self.order(seed, p, s)[q - self.starts[s]])
+        return out
+
+    def span(self, step: int) -> tuple:
+        """(first, last) logical unit of `step`'s batch."""
+        p, k = divmod(step, self.per_epoch)
+        first, last = self.shard_of(k * self.batch_size), self.shard_of((k + 1) * self.batch_size - 1)
+        return p * self.num_shards + first, p * self.num_shards + last
+
+    def used(self, g: int) -> bool:
+        """Whether a step of the run reads logical unit g (a shard wholly in an epoch's dropped
+        remainder, or past the last step, is never read)."""
+        p, s = divmod(g, self.num_shards)
+        return self.starts[s] < self.per_epoch * self.batch_size and \
+            p * self.per_epoch + self.starts[s] // self.batch_size < self.total
+
+    def name(self, g: int) -> str:
+        p, s = divmod(g, self.num_shards)
+        return f"s{s:06d}" if self.reuse else f"p{p:04d}-s{s:06d}"
+
+    def next_use(self, name: str, first: int) -> Optional[int]:
+        """The first logical unit at or after `first` that reads the unit called `name`; None: dead."""
+        try:
+            if self.reuse:
+                s = int(name[1:])
+                p = max(0, -(-(first - s) // self.num_shards))
+            else:
+                p, s = (int(part[1:]) for part in name.split("-"))
+        except ValueError:
+            return None
+        g = p * self.num_shards + s
+        if s >= self.num_shards or g < first or g >= self.end or not self.used(g):
+            return None
+        return g
+
+    def identity(self, sample_ids: Sequence[str], heldout_ids: Sequence[str], storage: Dict[str, Any]) -> dict:
+        """What stream.json records: both sides must agree on all of it."""
+        digest = hashlib.sha256(json.dumps([list(map(str, sample_ids)), self.lengths]).encode()).hexdigest()
+        return {"samples_sha256": digest, "num_samples": self.n, "num_shards": self.num_shards,
+                "batch_size": self.batch_size, "total_steps": self.total, "reuse": self.reuse,
+                "heldout_sha256": hashlib.sha256(json.dumps(list(map(str, heldout_ids))).encode()).hexdigest(),
+                **storage}
+
+
+# ----------------------------------------------------------------------------- sizes and budget
+
+def shard_bytes(lengths: Sequence[int], num_aux: int, hidden: int, dtype: str, aux_dtype: str = "") -> int:
+    """Bytes of the shard file that holds these samples (eagle3/shards.py's layout)."""
+    header, body = layout(len(lengths), int(sum(lengths)), num_aux, hidden, FLOAT_DTYPES[dtype][1],
+                          AUX_DTYPES[aux_dtype or dtype][1])
+    return len(header_bytes(header)) + body
+
+
+def unit_reserve(lengths: Sequence[int], ids: Sequence[str], meta_bytes: int, num_aux: int, hidden: int,
+                 dtype: str, aux_dtype: str = "") -> int:
+    """The most a unit (or heldout/) holds on disk while it is written: the shard, and progress.json
+    and manifest.json side by side at the commit, each with the sample ids and the capture's
+    settings; meta_bytes: the JSON of those settings' variable part (they list the held-out ids)."""
+    names = len(json.dumps(list(map(str, ids)), indent=1)) + meta_bytes
+    return shard_bytes(lengths, num_aux, hidden, dtype, aux_dtype) + 3 * names + 64 * 1024
+
+
+def check_budget(sched: Schedule, reserve: Sequence[int], heldout_reserve: int, budget: int) -> None:
+    """Refuse, with the sizes and the fix, a budget that cannot hold the held-out features and the
+    units of the step that spans the most bytes at once (the trainer holds them together)."""
+    prefix = [0]
+    for r in reserve:
+        prefix.append(prefix[-1] + r)
+    widest = 0
+    for k in range(min(sched.per_epoch, sched.total)):
+        a, b = sched.span(k)                          # units of epoch 0: shards a..b
+        widest = max(widest, prefix[b + 1] - prefix[a])
+    need = heldout_reserve + widest
+    if need > budget:
+        raise StreamError(
+            f"data.disk_budget_gb={budget / GB:g} ({budget:,} bytes) cannot hold what streaming needs at once: "
+            f"the held-out features ({heldout_reserve:,} bytes) and the shards one batch spans (up to "
+            f"{widest:,} bytes; the largest shard of capture.shard_tokens tokens takes {max(reserve):,}). "
+            f"Raise data.disk_budget_gb to at least {need / GB:.4g}, or lower capture.shard_tokens "
+            f"(held-out features: train.eval_batches x train.batch_size samples).")
+
+
+def dir_bytes(root: Path) -> int:
+    """Bytes of every file under root (st_size: a shard being written counts whole, it is preallocated)."""
+    total = 0
+    stack = [str(root)]
+    while stack:
+        try:
+            entries = list(os.scandir(stack.pop()))
+        except FileNotFoundError:
+            continue
+        for e in entries:
+            try:
+                if e.is_dir(follow_symlinks=False):
+                    stack.append(e.path)
+                else:
+                    total += e.stat(follow_symlinks=False).st_size
+            except FileNotFoundError:
+                pass
+    return total
+
+
+@dataclass
+class Stream:
+    """What both sides derive from the same config: the directory, the schedule, the held-out samples
+    evaluation reads, the bytes each unit may take and the budget."""
+    root: Path
+    sched: Schedule
+    heldout: List[Any]
+    reserve: List[int]
+    heldout_reserve: int
+    budget: int
+    identity: dict
+
+
+def plan_stream(train: Sequence[Any], held: Sequence[Any], data: DataConfig, capture: CaptureConfig,
+                t: TrainConfig, num_aux: int, hidden: int) -> Stream:
+    """The stream of a run over `train`/`held` samples (objects with .id, .input_ids), its budget
+    checked (StreamError says what to change)."""
+    if data.disk_budget_gb <= 0:
+        raise StreamError("train.mode=stream needs data.disk_budget_gb: the most the stream directory may hold")
+    root = Path(data.stream_dir or f"{data.features_dir}.stream")
+    lengths = [len(x.input_ids) for x in train]
+    sched = Schedule(lengths, capture.shard_tokens, t.batch_size,
+                     total_steps(t.steps, t.epochs, len(train), t.batch_size), data.stream_reuse)
+    # evaluation reads the first eval_batches global batches of the held-out samples (train.heldout_eval)
+    heldout = list(held[:t.eval_batches * t.batch_size])
+    meta_bytes = len(json.dumps([str(x.id) for x in held], indent=1))
+    size = dict(num_aux=num_aux, hidden=hidden, dtype=capture.dtype, aux_dtype=capture.aux_dtype)
+    reserve = [unit_reserve([lengths[i] for i in idx], [str(train[i].id) for i in idx], meta_bytes, **size)
+               for idx in sched.plan]
+    heldout_reserve = unit_reserve([len(x.input_ids) for x in heldout], [str(x.id) for x in heldout], meta_bytes,
+                                   **size) if heldout else 0
+    budget = int(data.disk_budget_gb * GB)
+    check_budget(sched, reserve, heldout_reserve, budget)
+    identity = sched.identity([x.id for x in train], [x.id for x in heldout],
+                              {"dtype": capture.dtype, "aux_dtype": capture.aux_dtype, "num_aux": num_aux,
+                               "hidden_size": hidden})
+    return Stream(root, sched, heldout, reserve, heldout_reserve, budget, identity)
+
+
+# ----------------------------------------------------------------------------- small files
+
+def write_json(path: Path, obj: Any) -> None:
+    """Atomically: a reader on any machine sees the old content or the new."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def read_json(path: Path) -> Optional[dict]:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+
+
+def open_stream(root: Path, identity: dict) -> None:
+    """Create the stream directory, or check that it holds this schedule's stream."""
+    root.mkdir(parents=True, exist_ok=True)
+    have = read_json(root / STREAM)
+    if have is None:
+        write_json(root / STREAM, identity)
+        return
+    diffs = [f"{k}: {have.get(k)!r} there, {v!r} here" for k, v in identity.items() if have.get(k) != v]
+    if diffs:
+        raise StreamError(f"{root} holds the stream of other settings ({'; '.join(diffs)}). Delete {root} "
+                          f"(it holds only features that are captured again) or point data.stream_dir elsewhere.")
+
+
+def delete_unit(root: Path, name: str) -> None:
+    """Rename away, then remove: readers never see half a unit, and two deleters do not collide."""
+    trash = root / f".trash-{name}-{os.getpid()}-{time.monotonic_ns()}"
+    try:
+        os.rename(root / name, trash)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def listing(root: Path) -> tuple:
+    """(finished unit names, partial and trash entries) in the stream directory."""
+    units, leftovers = [], []
+    for e in os.scandir(root):
+        if e.name.startswith(".trash-") or e.name.endswith(".partial"):
+            leftovers.append(e.name)
+        elif e.is_dir() and e.name != HELDOUT and (Path(e.path) / "manifest.json").exists():
+            units.append(e.name)
+    return units, leftovers
+
+
+def delete_dead(root: Path, sched: Schedule, first: int) -> None:
+    for name in listing(root)[0]:
+        if sched.next_use(name, first) is None:
+            delete_unit(root, name)
+
+
+class Every:
+    """True at most once every `seconds` (rate-limited messages)."""
+
+    def __init__(self, seconds: float = SAY_EVERY):
+        self.seconds, self.last = seconds, -float("inf")
+
+    def __call__(self) -> bool:
+        now = time.monotonic()
+        if now - self.last >= self.seconds:
+            self.last = now
+            return True
+        return False
+
+
+def mb(n: float) -> str:
+    return f"{n / 1e6:,.1f} MB"
+
+
+# ----------------------------------------------------------------------------- trainer side
+
+class StreamReader:
+    """The trainer's side: batches as the schedule orders them, read from units as they appear.
+
+    Train samples are indexed p*n + i (sample position i in epoch p, so the unit is known), held-out
+    ones -1 - h. Only the main process publishes trainer.json and deletes."""
+
+    def __init__(self, root: Path, sched: Schedule, seed: int, sample_ids: Sequence[str], expected: dict,
+                 is_main: bool, producer_alive: Callable[[], Optional[str]] = lambda: None):
+        self.root, self.sched, self.seed, self.ids = Path(root), sched, seed, list(sample_ids)
+        self.expected, self.is_main, self.producer_alive = expected, is_main, producer_alive
+        self.units: Dict[str, FeatureDataset] = {}
+        self.first, self.step, self.tokens, self.t0 = 0, 0, 0, time.monotonic()
+        self.say = Every()
+
+    def start(self, step: int) -> None:
+        """Publish where this run starts (a resumed run may start before units already deleted)."""
+        self.first, self.step = self.sched.span(step)[0], step
+        self.publish(done=False)
+
+    def batch_of(self, step: int) -> List[int]:
+        """Step's global batch; everything earlier steps alone read is acknowledged (and deleted)."""
+        first, last = self.sched.span(step)
+        self.first, self.step = first, step
+        # keep only this step's units mapped: a unit the producer evicts (or recaptures) must not
+        # stay on disk as a deleted file held open here
+        span = {self.sched.name(g) for g in range(first, last + 1)} | {HELDOUT}
+        for name in [n for n in self.units if n not in span]:
+            del self.units[name]
+        if self.is_main:
+            self.publish(done=False)
+            delete_dead(self.root, self.sched, self.first)
+        p = step // self.sched.per_epoch
+        return [p * self.sched.n + i for i in self.sched.batch(step, self.seed)]
+
+    def publish(self, done: bool) -> None:
+        rate = self.tokens / max(time.monotonic() - self.t0, 1e-9)
+        write_json(self.root / TRAINER, {"next": self.sched.end if done else self.first, "done": done,
+                                         "step": self.step, "tok_s": rate})
+
+    def make_batch(self, indices: Sequence[int]):
+        names = [HELDOUT if i < 0 else self.sched.name((i // self.sched.n) * self.sched.num_shards
+                                                        + self.sched.shard_of(i % self.sched.n)) for i in indices]
+        for name in dict.fromkeys(names):
+            self.unit(name)
+        items, ids = [], []
+        for i, name in zip(indices, names):
+            ds = self.unit(name)
+            j = -1 - i if i < 0 else i % self.sched.n - self.sched.starts[self.sched.shard_of(i % self.sched.n)]
+            items.append(ds[j])
+            ids.append(ds.sample_id(j))
+            if i >= 0 and ids[-1] != self.ids[i % self.sched.n]:
+                raise StreamError(f"{self.root / name} holds {ids[-1]!r} where the schedule has "
+                                  f"{self.ids[i % self.sched.n]!r}: not this run's stream")
+        self.tokens += sum(len(it["input_ids"]) for it in items)
+        return collate(items, ids)
+
+    def unit(self, name: str) -> FeatureDataset:
+        """A unit's dataset, waiting for the producer while it is not there yet."""
+        while name not in self.units:
+            path = self.root / name
+            if (path / "manifest.json").exists():
+                try:
+                    ds = FeatureDataset(path, expected=self.expected)
+                    ds.length(0)                     # maps the shard now: later deletes cannot pull it away
+                    self.units[name] = ds
+                    break
+                except (FileNotFoundError, FeatureDatasetError):
+                    if (path / "manifest.json").exists():   # not deleted under us: really broken
+                        raise
+            dead = self.producer_alive()
+            if dead:
+                raise StreamError(dead)
+            if self.say():
+                prod = read_json(self.root / PRODUCER) or {}
+                rate = f"{prod['tok_s']:,.0f} tok/s, last wrote {prod.get('last', '-')}" if "tok_s" in prod \
+                    else "no unit written yet"
+                print(f"[stream] trainer waits for {name} at step {self.step} (producer: {rate})", flush=True)
+            time.sleep(POLL)
+        return self.units[name]
+
+    def close(self) -> None:
+        if self.is_main:
+            self.publish(done=True)
+            delete_dead(self.root, self.sched, self.sched.end)
+
+
+# ----------------------------------------------------------------------------- producer side
+
+class ProducerLock:
+    """One producer per stream directory: an flock held for the producer's life (the kernel drops it
+    when the process dies, SIGKILL included). On NFS it is a POSIX lock; Lustre needs `-o flock`."""
+
+    def __init__(self, root: Path):
+        self.fd = os.open(root / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        say = Every()
+        while True:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except OSError as e:
+                if e.errno not in (errno.EAGAIN, errno.EACCES):
+                    raise
+            if say():
+                print(f"[stream] producer waits: another producer holds {root / LOCK}", flush=True)
+            time.sleep(POLL)
+
+    def release(self) -> None:
+        os.close(self.fd)
+
+
+def produce(root: Path, sched: Schedule, train_samples: Sequence[Any], held_samples: Sequence[Any],
+            capture: Callable[[Sequence[Any], Path], Path], reserve: Sequence[int], heldout_reserve: int,
+            budget: int, orphaned: Callable[[], bool] = lambda: False) -> None:
+    """Capture units into `root` as the trainer needs them, never holding more than `budget` bytes;
+    returns when the trainer says it is done (or `orphaned()`: the launching trainer is gone).
+    capture(samples, out_dir) writes a finished one-shard feature dataset."""
+    root = Path(root)
+    lock = ProducerLock(root)
+    say_full, say_idle, made, t0, tokens = Every(), Every(), 0, time.monotonic(), 0
+    # a `done` already there is the previous trainer's: wait for a new one rather than stop
+    stale = (read_json(root / TRAINER) or {}).get("done", False)
+    try:
+        for name in listing(root)[1]:                 # a killed producer's partial unit and trash
+            shutil.rmtree(root / name, ignore_errors=True)
+        if held_samples and not (root / HELDOUT / "manifest.json").exists():
+            wait_for_room(root, heldout_reserve, budget, HELDOUT, say_full, orphaned)
+            capture(held_samples, root / HELDOUT)
+        while not orphaned():
+            units, leftovers = listing(root)          # list first, then read `next` (see the module doc)
+            state = read_json(root / TRAINER) or {"next": 0, "done": False}
+            stale = stale and state["done"]
+            if state["done"] and not stale:
+                break
+            if stale:
+                if say_idle():
+                    print(f"[stream] producer: the trainer of {root} is done; waiting for a new one", flush=True)
+                time.sleep(POLL)
+                continue
+            first = state["next"]
+            for name in leftovers:
+                shutil.rmtree(root / name, ignore_errors=True)
+            present = set(units)
+            for name in units:
+                if sched.next_use(name, first) is None:
+                    delete_unit(root, name)
+                    present.discard(name)
+            g = next((g for g in range(first, sched.end) if sched.used(g) and sched.name(g) not in present), None)
+            if g is None:
+                if say_idle():
+                    print(f"[stream] producer: every unit up to the run's end is written; waiting for the "
+                          f"trainer (step {state.get('step', 0)})", flush=True)
+                time.sleep(POLL)
+                continue
+            s, name = g % sched.num_shards, sched.name(g)
+            used = dir_bytes(root)
+            if used + reserve[s] > budget:
+                later = sorted(((sched.next_use(n, first), n) for n in present), reverse=True)
+                for use, victim in later:
+                    if use is None or use > g:
+                        delete_unit(root, victim)
+                        used = dir_bytes(root)
+                        if used + reserve[s] <= budget:
+                            break
+            if used + reserve[s] > budget:
+                if say_full():
+                    print(f"[stream] producer: {name} ({mb(reserve[s])}) would pass the budget ({mb(used)} of "
+                          f"{mb(budget)} used); waiting for the trainer (step {state.get('step', 0)}, "
+                          f"{state.get('tok_s', 0):,.0f} tok/s)", flush=True)
+                time.sleep(POLL)
+                continue
+            capture([train_samples[i] for i in sched.plan[s]], root / name)
+            got = dir_bytes(root / name)
+            if got > reserve[s]:
+                raise StreamError(f"{name} takes {got:,} bytes, more than the {reserve[s]:,} reserved for it: "
+                                  f"eagle3.stream.unit_reserve no longer matches the feature format")
+            made += 1
+            tokens += sum(sched.lengths[i] for i in sched.plan[s])
+            write_json(root / PRODUCER, {"last": name, "units": made,
+                                         "tok_s": tokens / max(time.monotonic() - t0, 1e-9)})
+    finally:
+        lock.release()
+
+
+def wait_for_room(root: Path, need: int, budget: int, what: str, say: Every, orphaned) -> None:
+    while dir_bytes(root) + need > budget and not orphaned():
+        if say():
+            print(f"[stream] producer: {what} ({mb(need)}) would pass the budget; waiting", flush=True)
+        time.sleep(POLL)
