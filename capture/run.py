@@ -9,6 +9,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Sequence
 
+from eagle3.codec import FeatureFormat
 from eagle3.config import CaptureConfig, DataConfig, TargetConfig
 from eagle3.data import load_samples
 from eagle3.targets import load_target_model, model_dtype, pick_device, target_info
@@ -40,7 +41,8 @@ def capture_features(target_dir: Path, aux_layers: Sequence[int], target: Target
               f"-> {out_dir}")
         return run_capture(model, train + held, out_dir, aux_layers=aux_layers, meta=meta,
                            batch_tokens=capture.batch_tokens, shard_tokens=capture.shard_tokens,
-                           dtype=capture.dtype, device=device, aux_dtype=capture.aux_dtype)
+                           dtype=capture.dtype, device=device, aux_dtype=capture.aux_dtype,
+                           fmt=FeatureFormat(capture.format, capture.teacher_topk, capture.draft_vocab_size))
     if capture.backend == "sglang":
         from capture.sglang_client import capture_sglang
         return capture_sglang(target_dir, info, tok, train + held, aux_layers, capture, data_meta, out_dir)
