@@ -100,16 +100,10 @@ def run_capture(model: nn.Module, samples: Sequence[Any], out_path, *, aux_layer
 
 def compact_of(fmt: Optional[FeatureFormat], model: nn.Module, samples: Sequence[Any],
                meta: Dict[str, Any]) -> Optional[Compact]:
-    """The Compact of a capture asked for the compact format (None for full): the draft vocab of the
-    training samples (those not in meta's held-out ids) and the target's own lm_head."""
-    if fmt is None or fmt.name == "full":
-        return None
-    if fmt.name != codec.NAME:
-        raise ValueError(f"capture.format={fmt.name!r}: expected 'full' or {codec.NAME!r}")
-    lm_head = model.get_output_embeddings().weight.detach()
-    vocab = codec.capture_vocab(samples, meta.get("data", {}).get("heldout_ids", []), lm_head.shape[0],
-                                fmt.draft_vocab_size)
-    return Compact(vocab, fmt.teacher_topk, lm_head)
+    """codec.compact_for with the in-process target's own lm_head; the training samples are those
+    not in meta's held-out ids (capture/run.py records them)."""
+    return codec.compact_for(fmt, samples, meta.get("data", {}).get("heldout_ids", []),
+                             model.get_output_embeddings().weight.detach())
 
 
 def to_host_encoded(enc: Dict[str, torch.Tensor]):

@@ -36,7 +36,7 @@ LEVELS = torch.tensor([-1.0, -0.6961928009986877, -0.5250730514526367, -0.394917
                        -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
                        0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
                        0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0])
-INT4 = torch.cat([torch.zeros(1), torch.arange(-7, 8) / 7.0])   # evenly spaced (code 0 unused): the bench's comparison
+INT4 = torch.arange(-7, 8) / 7.0           # 15 evenly spaced levels, 0.0 exact: bench/feature_bytes.py's comparison
 CODE = "nf4"
 COLUMNS = ("aux_codes", "aux_scale", "teacher_ids", "teacher_p", "teacher_mass", "teacher_top")
 
@@ -85,11 +85,24 @@ def capture_vocab(samples: Sequence, heldout_ids: Sequence[str], vocab_size: int
     return build_vocab(counts, min(draft_vocab_size, vocab_size))
 
 
+def compact_for(fmt: Optional[FeatureFormat], samples: Sequence, heldout_ids: Sequence[str],
+                lm_head: torch.Tensor) -> Optional[Compact]:
+    """The Compact of a capture asked for `fmt` (None for the full format): the draft vocab of its
+    training samples and the target's lm_head [V, H], on the device the encoding should run on."""
+    if fmt is None or fmt.name == "full":
+        return None
+    if fmt.name != NAME:
+        raise ValueError(f"capture.format={fmt.name!r}: expected 'full' or {NAME!r}")
+    vocab = capture_vocab(samples, heldout_ids, lm_head.shape[0], fmt.draft_vocab_size)
+    return Compact(vocab, min(fmt.teacher_topk, vocab.size), lm_head)
+
+
 def column_specs(num_aux: int, hidden: int, params: Dict) -> Dict[str, tuple]:
     """name -> (safetensors dtype, per-token shape) of the compact columns."""
     kH = num_aux * hidden
-    if kH % GROUP_SIZE or params["aux"]["group_size"] != GROUP_SIZE:
-        raise ValueError(f"compact aux needs k*H ({kH}) divisible by the group size {GROUP_SIZE}")
+    if hidden % GROUP_SIZE or params["aux"]["group_size"] != GROUP_SIZE:   # a group never spans two states
+        raise ValueError(f"the compact format needs the hidden size ({hidden}) divisible by its group size "
+                         f"{GROUP_SIZE}")
     topk = params["teacher"]["topk"]
     return {"aux_codes": ("U8", [kH // 2]), "aux_scale": ("BF16", [kH // GROUP_SIZE]),
             "teacher_ids": ("I16" if params["teacher"]["ids"] == "int16" else "I32", [topk]),
@@ -107,16 +120,14 @@ def _round_up_bf16(x: torch.Tensor) -> torch.Tensor:
 
 def quantize_aux(aux: torch.Tensor, levels: torch.Tensor = LEVELS, group: int = GROUP_SIZE) -> tuple:
     """aux [..., n] (n a multiple of the group) -> (codes [..., n/2] uint8, scale [..., n/G] bf16).
-    Each value gets the code of its nearest level after dividing by its group's scale; on the
+    Each value gets the code of its nearest level (levels ascending) after dividing by its group's scale; on the
     device aux is on. (levels and group are parameters for bench/feature_bytes.py's comparison.)"""
     x = aux.detach().float()
     g = x.view(*x.shape[:-1], -1, group)
     scale = _round_up_bf16(g.abs().amax(-1))
     y = g / scale.float().clamp(min=torch.finfo(torch.float32).tiny)[..., None]
-    lv = levels.to(x.device)
-    order = torch.argsort(lv)
-    mids = (lv[order][1:] + lv[order][:-1]) / 2
-    codes = order[torch.searchsorted(mids, y.contiguous())].to(torch.uint8).view(*x.shape[:-1], -1, 2)
+    lv = levels.to(x.device)                                           # ascending
+    codes = torch.bucketize(y, (lv[1:] + lv[:-1]) / 2, out_int32=True).to(torch.uint8).view(*x.shape[:-1], -1, 2)
     return codes[..., 0] | (codes[..., 1] << 4), scale
 
 
@@ -156,11 +167,11 @@ def encode_teacher(final: torch.Tensor, lm_head: torch.Tensor, draft_ids: torch.
 
 
 def encode(fmt: Compact, aux: torch.Tensor, final: torch.Tensor) -> Dict[str, torch.Tensor]:
-    """aux [..., k*H], final [..., H] -> the compact columns (COLUMNS), on aux's device."""
-    codes, scale = quantize_aux(aux)
-    head = fmt.lm_head.to(final.device)
+    """aux [..., k*H], final [..., H] -> the compact columns (COLUMNS), computed on the lm_head's device."""
+    dev = fmt.lm_head.device
+    codes, scale = quantize_aux(aux.to(dev))
     return {"aux_codes": codes, "aux_scale": scale,
-            **encode_teacher(final, head, fmt.vocab.draft_ids.to(final.device), fmt.topk)}
+            **encode_teacher(final.to(dev), fmt.lm_head, fmt.vocab.draft_ids.to(dev), fmt.topk)}
 
 
 @dataclass
