@@ -38,13 +38,12 @@ LEVELS = torch.tensor([-1.0, -0.6961928009986877, -0.5250730514526367, -0.394917
                        0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0])
 INT4 = torch.arange(-7, 8) / 7.0           # 15 evenly spaced levels, 0.0 exact: bench/feature_bytes.py's comparison
 CODE = "nf4"
-COLUMNS = ("aux_codes", "aux_scale", "teacher_ids", "teacher_p", "teacher_mass", "teacher_top")
 
 
 @dataclass
 class FeatureFormat:
     """What a capture is asked to store: `capture.format` and its parameters (eagle3/config.py)."""
-    name: str = "full"                 # full: aux + final as stored today | compact: this module
+    name: str = "full"                 # full: aux + final (eagle3/features.py) | compact: this module
     teacher_topk: int = 32
     draft_vocab_size: int = 32000
 
@@ -167,7 +166,7 @@ def encode_teacher(final: torch.Tensor, lm_head: torch.Tensor, draft_ids: torch.
 
 
 def encode(fmt: Compact, aux: torch.Tensor, final: torch.Tensor) -> Dict[str, torch.Tensor]:
-    """aux [..., k*H], final [..., H] -> the compact columns (COLUMNS), computed on the lm_head's device."""
+    """aux [..., k*H], final [..., H] -> the compact columns (column_specs), computed on the lm_head's device."""
     dev = fmt.lm_head.device
     codes, scale = quantize_aux(aux.to(dev))
     return {"aux_codes": codes, "aux_scale": scale,
