@@ -99,7 +99,6 @@ def real_features(args):
 
     ds = FeatureDataset(args.features)
     m = ds.manifest
-    k = len(m["aux_layers"])
     samples = [ds[i] for i in range(min(args.samples, len(ds)))]
     print_aux(f"{m['target']['name']} (real, {args.features.name})", torch.cat([s["aux"] for s in samples]))
     embed, lm_head = load_head(resolve_target("gguf", "", m["target"]["name"], "llama", {}, 0))
