@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from eagle3 import codec  # noqa: E402
-from eagle3.codec import Compact, dense_teacher, dequantize_aux, quantize_aux  # noqa: E402
+from eagle3.codec import Compact, dequantize_aux, quantize_aux  # noqa: E402
 from eagle3.shards import dequantize_fp8, layout, quantize_fp8  # noqa: E402
 
 SMOL, KIMI = (576, 49152, (4096, 8192, 32000)), (7168, 163840, (32000,))
@@ -111,7 +111,7 @@ def real_features(args):
     drafter.load_state_dict(weights)
     drafter.float().eval()
 
-    from eagle3.loss import target_teacher, ttt_loss
+    from eagle3.loss import dense_teacher, target_teacher, ttt_loss
     print(f"\nteacher top-K over the drafter's draft vocab ({vocab.size}): share of the draft distribution kept "
           f"(= 1 - total variation to the renormalised top-K), mean and 1st percentile over rows")
     for K in TOPKS:

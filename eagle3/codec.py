@@ -13,7 +13,7 @@ Per token, for H hidden, k aux states, G = GROUP_SIZE, K = teacher top-k, Vd the
 The teacher replaces `final` [H]: it is what eagle3/loss.py computes from final and the target's
 lm_head, so it depends on the draft vocab, which is fixed at capture (capture_vocab: the top-Vd
 assistant tokens of the training split, the same rule as train.py's) and stored with the dataset.
-Training spreads the K probabilities over the draft vocab and renormalises them (dense_teacher).
+Training spreads the K probabilities over the draft vocab and renormalises them (eagle3.loss.dense_teacher).
 docs/perf.md has the measurements behind the levels, G and the default K.
 """
 from __future__ import annotations
@@ -184,16 +184,6 @@ class StoredTeacher:
 
     def to(self, device) -> "StoredTeacher":
         return StoredTeacher(self.ids.to(device), self.p.to(device), self.mass.to(device), self.top.to(device))
-
-
-def dense_teacher(ids: torch.Tensor, p: torch.Tensor, draft_vocab_size: int) -> torch.Tensor:
-    """(ids [..., K], p [..., K]) -> [..., Vd] fp32: the K probabilities at their draft ids, the rest
-    0, renormalised to sum to 1 (soft_ce's gradient needs a distribution); an all-zero row (padding)
-    stays zero."""
-    pf = p.float()
-    out = torch.zeros(*p.shape[:-1], draft_vocab_size, dtype=torch.float32, device=p.device)
-    out.scatter_(-1, ids.long(), pf)
-    return out / pf.sum(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
 
 
 def bytes_per_token(hidden: int, num_aux: int, draft_vocab_size: int, topk: int) -> int:

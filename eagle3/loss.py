@@ -15,7 +15,6 @@ from typing import List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from eagle3.codec import dense_teacher
 from eagle3.fused import fused
 from eagle3.losses import NEEDS_MASS, check_loss, row_losses
 from eagle3.model import Eagle3Drafter
@@ -55,11 +54,21 @@ def target_teacher(final: torch.Tensor, target_lm_head: torch.Tensor, draft_ids:
 def batch_teacher(batch, target_lm_head: torch.Tensor, draft_ids: torch.Tensor) -> tuple:
     """The teacher of a features.Batch, as ttt_loss's `teacher`: target_teacher of its final states
     (p, top), or a compact dataset's stored teacher (p, top, mass), its top-K probabilities spread
-    over the draft vocab and renormalised (eagle3/codec.py)."""
+    over the draft vocab and renormalised (eagle3/codec.py stores it)."""
     if batch.teacher is None:
         return target_teacher(batch.final, target_lm_head, draft_ids)
     t = batch.teacher
     return dense_teacher(t.ids, t.p, draft_ids.numel()), t.top, t.mass
+
+
+def dense_teacher(ids: torch.Tensor, p: torch.Tensor, draft_vocab_size: int) -> torch.Tensor:
+    """(ids [..., K], p [..., K]) -> [..., Vd] fp32: the K probabilities at their draft ids, the rest
+    0, renormalised to sum to 1 (soft_ce's gradient needs a distribution); an all-zero row (padding)
+    stays zero."""
+    pf = p.float()
+    out = torch.zeros(*p.shape[:-1], draft_vocab_size, dtype=torch.float32, device=p.device)
+    out.scatter_(-1, ids.long(), pf)
+    return out / pf.sum(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
 
 
 @torch.no_grad()
