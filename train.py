@@ -30,8 +30,8 @@ from omegaconf import OmegaConf
 from eagle3 import chat, checkpoint, config as config_schema, fused
 from eagle3.data import is_heldout
 from eagle3.export import write_export
-from eagle3.features import Batch, FeatureDataset, check_compatible, collate, template_sha256
-from eagle3.loss import TTTOutput, step_counts, target_teacher, unigram_correct
+from eagle3.features import Batch, FeatureDataset, check_compatible, check_draft_vocab, collate, template_sha256
+from eagle3.loss import TTTOutput, batch_teacher, step_counts, unigram_correct
 from eagle3.losses import check_loss
 from eagle3.model import Eagle3Drafter, drafter_shape
 from eagle3.optim import adamw, clip_grad_norm
@@ -115,6 +115,8 @@ def main(cfg) -> None:
 
     vocab_path = run_dir / "vocab.safetensors"
     vocab = draft_vocab(data, info.vocab_size, c.drafter.draft_vocab_size, vocab_path, c.resume, is_main)
+    if c.train.mode == "offline":
+        check_draft_vocab(features_dir, vocab)   # a compact dataset's stored teacher is over its own
 
     # ---- drafter, optimizer ----
     # DeepSpeed casts the model and keeps fp32 partitions itself (bf16_params: see build_drafter)
@@ -157,9 +159,9 @@ def main(cfg) -> None:
         parts = []
         for m in range(0, len(indices), micro):
             bt = data.make_batch(indices[m:m + micro]).to(device, compute_dtype)
-            parts.append((bt, target_teacher(bt.final, lm_head, vocab.draft_ids)))
+            parts.append((bt, batch_teacher(bt, lm_head, vocab.draft_ids)))
         counts = torch.zeros(S, dtype=torch.int64, device=device)
-        for bt, (_, top) in parts:
+        for bt, (_, top, *_) in parts:
             counts += step_counts(bt.loss_mask, bt.attention_mask, top, vocab.t2d, S)
         return parts, acc.reduce(counts, reduction="sum").clamp(min=1)
 

@@ -13,6 +13,8 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
+from eagle3 import codec
+from eagle3.codec import Compact, FeatureFormat
 from eagle3.features import FeatureWriter, make_meta, open_capture, plan_shards, storage_dtype
 from eagle3.hidden import capture_hidden, pad_right
 
@@ -46,18 +48,22 @@ def plan_batches(lengths: Sequence[int], batch_tokens: int) -> List[List[int]]:
 
 def run_capture(model: nn.Module, samples: Sequence[Any], out_path, *, aux_layers: Sequence[int],
                 meta: Dict[str, Any], batch_tokens: int = 8192, shard_tokens: int = 262144,
-                dtype: str = "bfloat16", device=None, progress: bool = True, aux_dtype: str = "") -> Path:
+                dtype: str = "bfloat16", device=None, progress: bool = True, aux_dtype: str = "",
+                fmt: Optional[FeatureFormat] = None, vocab_samples: Optional[Sequence[Any]] = None) -> Path:
     """Capture every sample (objects with .id, .input_ids [T], .loss_mask [T]) into a feature dataset.
 
     Resumable: shards committed by an earlier run with the same meta/samples/settings are kept and
     their samples skipped; rerunning after Ctrl-C or SIGKILL ends byte-identical to a run that never
     stopped. A finished dataset at out_path is checked against meta (engine version aside) and kept.
     Batches never cross a shard, so a shard's numbers do not depend on where a run stopped.
+    fmt: the feature format (capture.format); compact encodes each batch on the model's device, its
+    draft vocab built from vocab_samples (default: samples; held-out ones in meta left out).
     """
     ids = [str(s.id) for s in samples]
     lengths = [len(s.input_ids) for s in samples]
+    compact = compact_of(fmt, model, samples if vocab_samples is None else vocab_samples, meta)
     writer = open_capture(out_path, meta, ids, lengths, dtype=dtype, shard_tokens=shard_tokens,
-                          aux_dtype=aux_dtype)
+                          aux_dtype=aux_dtype, compact=compact)
     if writer is None:
         return Path(out_path)
     pending = writer.pending_shards()
@@ -76,7 +82,7 @@ def run_capture(model: nn.Module, samples: Sequence[Any], out_path, *, aux_layer
                 idx = [shard[j] for j in local]
                 input_ids, att = pad_right([samples[i].input_ids for i in idx], device)
                 aux, final = capture_hidden(model, input_ids, att, aux_layers)
-                host = to_host(aux, final, sdt)
+                host = to_host(aux, final, sdt) if compact is None else to_host_encoded(codec.encode(compact, aux, final))
                 if writing is not None:
                     writing.result()
                 writing = pool.submit(_write_batch, writer, samples, idx, host)
@@ -91,6 +97,27 @@ def run_capture(model: nn.Module, samples: Sequence[Any], out_path, *, aux_layer
         pool.shutdown(wait=True)
     bar.close()
     return writer.finish()
+
+
+def compact_of(fmt: Optional[FeatureFormat], model: nn.Module, samples: Sequence[Any],
+               meta: Dict[str, Any]) -> Optional[Compact]:
+    """codec.compact_for with the in-process target's own lm_head; the training samples are those
+    not in meta's held-out ids (capture/run.py records them)."""
+    return codec.compact_for(fmt, samples, meta.get("data", {}).get("heldout_ids", []),
+                             model.get_output_embeddings().weight.detach())
+
+
+def to_host_encoded(enc: Dict[str, torch.Tensor]):
+    """A compact batch's columns, host-copied like to_host: (None, None, event or None, columns)."""
+    if next(iter(enc.values())).device.type != "cuda":
+        return None, None, None, enc
+    host = {}
+    for name, t in enc.items():
+        host[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host[name].copy_(t, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return None, None, event, host
 
 
 def to_host(aux: torch.Tensor, final: torch.Tensor, sdt: torch.dtype):
@@ -112,12 +139,16 @@ def to_host(aux: torch.Tensor, final: torch.Tensor, sdt: torch.dtype):
 
 
 def _write_batch(writer: FeatureWriter, samples: Sequence[Any], idx: List[int], host) -> None:
-    aux, final, event = host
+    aux, final, event, *enc = host
     if event is not None:
         event.synchronize()
     for b, i in enumerate(idx):
         n = len(samples[i].input_ids)
-        writer.add(str(samples[i].id), samples[i].input_ids, samples[i].loss_mask, aux[b, :n], final[b, :n])
+        s = samples[i]
+        if enc:
+            writer.add(str(s.id), s.input_ids, s.loss_mask, None, None, {k: v[b, :n] for k, v in enc[0].items()})
+        else:
+            writer.add(str(s.id), s.input_ids, s.loss_mask, aux[b, :n], final[b, :n])
 
 
 def padded_tokens(lengths: Sequence[int], batches: Sequence[Sequence[int]]) -> int:

@@ -12,6 +12,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from eagle3.codec import FeatureFormat
 from eagle3.config import CaptureConfig, DataConfig, TargetConfig, TrainConfig
 from eagle3.data import load_samples
 from eagle3.targets import load_target_model, model_dtype, pick_device, target_info
@@ -24,7 +25,7 @@ def capture_features(target_dir: Path, aux_layers: Sequence[int], target: Target
                      capture: CaptureConfig, out_dir: Path) -> Path:
     info = target_info(target_dir, target.name)
     tok, train, held = load_samples(target_dir, target, data, capture)
-    run = capturer(target_dir, info, tok, aux_layers, target, data, capture, held, progress=True)
+    run = capturer(target_dir, info, tok, aux_layers, target, data, capture, train, held, progress=True)
     print(f"[capture] {info.name} ({capture.backend}): {len(train) + len(held)} samples, aux_layers "
           f"{list(aux_layers)} -> {out_dir}")
     return run(train + held, out_dir, capture.shard_tokens)
@@ -45,7 +46,7 @@ def stream_features(target_dir: Path, aux_layers: Sequence[int], target: TargetC
         open_stream(st.root, st.identity)
     except StreamError as e:
         raise SystemExit(f"error: {e}") from None
-    run = capturer(target_dir, info, tok, aux_layers, target, data, capture, held, progress=False)
+    run = capturer(target_dir, info, tok, aux_layers, target, data, capture, train, held, progress=False)
     parent = int(os.environ.get(STREAM_PARENT_ENV, "0"))
     print(f"[stream] producer: {st.sched.num_shards} shards an epoch, logical units up to {st.sched.end}, "
           f"budget {st.budget:,} bytes -> {st.root}", flush=True)
@@ -56,8 +57,12 @@ def stream_features(target_dir: Path, aux_layers: Sequence[int], target: TargetC
 
 
 def capturer(target_dir: Path, info, tok, aux_layers: Sequence[int], target: TargetConfig, data: DataConfig,
-             capture: CaptureConfig, held: Sequence[Any], progress: bool) -> Callable[[Sequence[Any], Path, int], Path]:
-    """(samples, out_dir, shard_tokens) -> a finished feature dataset at out_dir, the model loaded once."""
+             capture: CaptureConfig, train: Sequence[Any], held: Sequence[Any],
+             progress: bool) -> Callable[[Sequence[Any], Path, int], Path]:
+    """(samples, out_dir, shard_tokens) -> a finished feature dataset at out_dir, the model loaded once.
+    A compact capture's draft vocab comes from all of `train`, whichever part a call captures (the
+    stream captures a shard at a time), so every part stores its teacher over the same vocab."""
+    every = [*train, *held]
     data_meta = {"source": data.source, "path": data.path, "num_samples": data.num_samples,
                  "max_length": data.max_length, "heldout_fraction": data.heldout_fraction,
                  "turns": data.turns, "max_prompt_chars": data.max_prompt_chars,
@@ -76,17 +81,19 @@ def capturer(target_dir: Path, info, tok, aux_layers: Sequence[int], target: Tar
                        aux_layers=aux_layers, hidden_size=info.hidden_size,
                        tokenizer_name=getattr(tok, "name_or_path", ""), chat_template=tok.chat_template,
                        data=data_meta)
+        fmt = FeatureFormat(capture.format, capture.teacher_topk, capture.draft_vocab_size)
 
         def run_hf(samples, out_dir, shard_tokens):
             return run_capture(model, samples, out_dir, aux_layers=aux_layers, meta=meta,
                                batch_tokens=capture.batch_tokens, shard_tokens=shard_tokens, dtype=capture.dtype,
-                               device=device, aux_dtype=capture.aux_dtype, progress=progress)
+                               device=device, aux_dtype=capture.aux_dtype, progress=progress, fmt=fmt,
+                               vocab_samples=every)
         return run_hf
     if capture.backend == "sglang":
         from capture.sglang_client import capture_sglang
 
         def run_sglang(samples, out_dir, shard_tokens):
             return capture_sglang(target_dir, info, tok, samples, aux_layers, replace(capture, shard_tokens=shard_tokens),
-                                  data_meta, out_dir, progress=progress)
+                                  data_meta, out_dir, progress=progress, vocab_samples=every)
         return run_sglang
     raise SystemExit(f"error: capture.backend={capture.backend!r}: expected 'hf' or 'sglang'")

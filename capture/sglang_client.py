@@ -39,6 +39,8 @@ import torch
 
 from capture.sglang_plugin import SGLANG_VERSION, safe_rid
 from capture.sglang_server import capture_server_cmd, capture_server_env, free_port, log_tail, running_server
+from eagle3 import codec
+from eagle3.codec import FeatureFormat
 from eagle3.config import CaptureConfig
 from eagle3.features import FeatureWriter, finished_capture, make_meta, open_capture
 from eagle3.serving import sglang_python
@@ -373,8 +375,9 @@ def pack_requests(samples: Sequence[Any], writer: FeatureWriter, url: str, spool
 
 def capture_sglang(target_dir: Path, info, tok, samples: Sequence[Any], aux_layers: Sequence[int],
                    capture: CaptureConfig, data_meta: Dict[str, Any], out_dir: Path,
-                   progress: bool = True) -> Path:
+                   progress: bool = True, vocab_samples: Optional[Sequence[Any]] = None) -> Path:
     """Capture `samples` (objects with .id, .input_ids, .loss_mask) through an SGLang capture server.
+    A compact capture's draft vocab comes from vocab_samples (default: samples).
 
     info: eagle3.targets.TargetInfo; tok: the tokenizer (its name and chat template go to the
     manifest). Launches the server (TP capture.tp_size, aux ids via eagle3.engine_ids) unless
@@ -389,7 +392,14 @@ def capture_sglang(target_dir: Path, info, tok, samples: Sequence[Any], aux_laye
                          chat_template=getattr(tok, "chat_template", None), engine="sglang",
                          engine_version=version, data=data_meta)
 
-    if finished_capture(out_dir, meta_of(""), capture.dtype, capture.aux_dtype):
+    compact = None
+    if capture.format != "full":   # the client computes the teacher from the spool's final states, on a GPU if one is free
+        from eagle3.targets import load_head
+        head = load_head(target_dir)[1].to("cuda" if torch.cuda.is_available() else "cpu")
+        compact = codec.compact_for(FeatureFormat(capture.format, capture.teacher_topk, capture.draft_vocab_size),
+                                    samples if vocab_samples is None else vocab_samples,
+                                    data_meta.get("heldout_ids", []), head)
+    if finished_capture(out_dir, meta_of(""), capture.dtype, capture.aux_dtype, compact):
         return out_dir
     with contextlib.ExitStack() as stack:
         proc, log_path, url = None, None, capture.server_url
@@ -404,7 +414,7 @@ def capture_sglang(target_dir: Path, info, tok, samples: Sequence[Any], aux_laye
         version = server_version(url) or SGLANG_VERSION
         writer = open_capture(out_dir, meta_of(version), [str(s.id) for s in samples],
                               [len(s.input_ids) for s in samples], dtype=capture.dtype,
-                              shard_tokens=capture.shard_tokens, aux_dtype=capture.aux_dtype)
+                              shard_tokens=capture.shard_tokens, aux_dtype=capture.aux_dtype, compact=compact)
         print(f"[capture] SGLang {version} at {url}: {sum(map(len, writer.pending_shards()))} samples "
               f"to capture, spool {spool} (budget {capture.spool_budget_gb} GB)")
         try:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, OmegaConf
+from omegaconf import II, MISSING, OmegaConf
 
 
 @dataclass
@@ -133,6 +133,11 @@ class CaptureConfig:
     shard_tokens: int = 262144                # samples are cut into shards of about this many tokens
     dtype: str = "bfloat16"                   # feature storage dtype
     aux_dtype: str = ""                       # aux storage when different: float8_e4m3fn (row-scaled, 37.5% fewer bytes)
+    # full: aux + final as above | compact: 4-bit aux + the teacher the loss reads instead of final,
+    # over a draft vocab fixed at capture (eagle3/codec.py; docs/design.md, docs/perf.md)
+    format: str = "full"
+    teacher_topk: int = 32                    # compact: draft-vocab probabilities kept per token
+    draft_vocab_size: int = II("drafter.draft_vocab_size")   # compact: the teacher's draft vocab
     device: str = "auto"
     regenerate: bool = False                  # train on the target's own answers (capture.regenerate_only=true writes them first)
     regen_max_new_tokens: int = 256

@@ -9,7 +9,13 @@ concatenated along tokens:
     final     [N, H]        what the LM head consumes: target logits = final @ lm_head.weight.T
     loss_mask [N]   uint8   1 on assistant tokens
 
-aux and final are stored in the capture's dtype (bfloat16 by default). With aux_dtype
+With `capture.format=compact` (eagle3/codec.py) aux is stored in 4-bit codes with a scale per group
+and final is replaced by the teacher the loss reads (top-K draft-vocab probabilities, the mass on
+the draft vocab, the full-vocab argmax), computed at capture over a draft vocab fixed there and
+stored beside the shards (draft_vocab.safetensors); the manifest's `feature_format` names it.
+ds[i] then holds teacher_ids/teacher_p/teacher_mass/teacher_top instead of final.
+
+In the full format aux and final are stored in the capture's dtype (bfloat16 by default). With aux_dtype
 float8_e4m3fn, aux is stored in fp8 with one fp32 scale per row and aux state, `aux_scale [N, k]`
 (the row's largest magnitude / 448, the e4m3 maximum), and read back as bf16: 37.5% fewer bytes at
 Kimi-K2.5 dims for +0.01% of TTT loss (docs/perf.md). final stays 16-bit: it is the teacher, and in
@@ -36,15 +42,24 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
+from eagle3 import codec
+from eagle3.codec import Compact, StoredTeacher
 from eagle3.shards import (AUX_DTYPES, FLOAT_DTYPES, FORMAT, FORMAT_VERSION, FP8, FeatureDatasetError,
                            OpenShard, check_sha256, check_shard, dequantize_fp8, file_sha256, np_bytes,
                            quantize_fp8, shard_name, tensor_views)
 from eagle3.durable import fsync_dir
+from eagle3.vocab import DraftVocab
 
 AUX_MEANING = ("residual stream entering decoder layer i = transformers output_hidden_states[i] "
                "(hidden_states + residual in engines that keep the residual separate)")
 PROGRESS = "progress.json"
 MANIFEST = "manifest.json"
+VOCAB = "draft_vocab.safetensors"               # a compact dataset's draft vocab, beside its shards
+# feature_format name -> the versions this code reads. A manifest without feature_format is full.
+# Compact datasets also carry container format_version 2, so readers that predate them refuse them
+# by that number instead of failing on a missing tensor.
+KNOWN_FORMATS = {"full": (1,), codec.NAME: (codec.VERSION,)}
+COMPACT_CONTAINER_VERSION = 2
 
 # ----------------------------------------------------------------------------- planning / meta
 
@@ -151,10 +166,12 @@ class FeatureWriter:
     sample_ids/lengths: every sample of the dataset, in dataset order (they fix the shard plan).
     meta: from make_meta (target, aux_layers, hidden_size, num_aux, tokenizer, engine, data).
     dtype: storage of final (and aux); aux_dtype: of aux when different (float8_e4m3fn: see top).
+    compact: write the compact format instead (eagle3/codec.py; dtype and aux_dtype do not apply).
     """
 
     def __init__(self, path, meta: Dict[str, Any], sample_ids: Sequence[str], lengths: Sequence[int],
-                 dtype: str = "bfloat16", shard_tokens: int = 262144, aux_dtype: str = ""):
+                 dtype: str = "bfloat16", shard_tokens: int = 262144, aux_dtype: str = "",
+                 compact: Optional[Compact] = None):
         self.path = Path(path)
         self.partial = self.path.with_name(self.path.name + ".partial")
         if self.path.exists():
@@ -162,6 +179,9 @@ class FeatureWriter:
         if dtype not in FLOAT_DTYPES:
             raise ValueError(f"dtype {dtype!r}: expected one of {sorted(FLOAT_DTYPES)} (fp8 is for aux only: "
                              f"aux_dtype={FP8!r}; final is the teacher and stays 16-bit)")
+        if compact is not None and aux_dtype:
+            raise ValueError(f"aux_dtype {aux_dtype!r} is for the full format; the compact format stores aux "
+                             f"in 4 bits")
         aux_dtype = aux_dtype or dtype
         if aux_dtype not in AUX_DTYPES:
             raise ValueError(f"aux_dtype {aux_dtype!r}: expected one of {sorted(AUX_DTYPES)}")
@@ -170,16 +190,21 @@ class FeatureWriter:
         self.meta = _normal(meta)
         self.num_aux, self.hidden = int(meta["num_aux"]), int(meta["hidden_size"])
         self.dtype, self.torch_dtype, self.aux_dtype = dtype, FLOAT_DTYPES[dtype][0], aux_dtype
+        self.compact = compact
+        self.fmt = compact.params() if compact is not None else None
         self.ids, self.lengths = [str(s) for s in sample_ids], [int(n) for n in lengths]
         self.plan = plan_shards(self.lengths, shard_tokens)
         self.where = {self.ids[i]: (s, j) for s, idx in enumerate(self.plan) for j, i in enumerate(idx)}
         plan_hash = hashlib.sha256(json.dumps([self.ids, self.lengths]).encode()).hexdigest()
         self.run = {"meta": self.meta, "dtype": dtype, "shard_tokens": int(shard_tokens),
                     "plan_sha256": plan_hash, "format_version": FORMAT_VERSION,
-                    **({"aux_dtype": aux_dtype} if aux_dtype != dtype else {})}
+                    **({"aux_dtype": aux_dtype} if aux_dtype != dtype else {}),
+                    **({"feature_format": self.fmt} if self.fmt else {})}
         self.done: Dict[int, Dict[str, int]] = {}
         self.open: Dict[int, OpenShard] = {}
         self._resume()
+        if compact is not None:                       # rewritten each run: the same bytes for the same vocab
+            compact.vocab.save(self.partial / VOCAB)
 
     def _resume(self) -> None:
         """Keep the committed shards of an earlier run with the same settings; drop everything else."""
@@ -215,12 +240,19 @@ class FeatureWriter:
         """The plan's shards (lists of sample positions) not yet committed, in order."""
         return [idx for s, idx in enumerate(self.plan) if s not in self.done]
 
-    def add(self, sample_id: str, input_ids, loss_mask, aux: torch.Tensor, final: torch.Tensor) -> None:
-        """input_ids [T], loss_mask [T], aux [T, k*H], final [T, H] (any float dtype or device)."""
+    def add(self, sample_id: str, input_ids, loss_mask, aux: Optional[torch.Tensor], final: Optional[torch.Tensor],
+            encoded: Optional[Dict[str, torch.Tensor]] = None) -> None:
+        """input_ids [T], loss_mask [T], aux [T, k*H], final [T, H] (any float dtype or device).
+        Compact: aux and final are encoded here with the writer's Compact, or `encoded` holds the
+        columns codec.encode made of them already (on a GPU, say), and aux and final are None."""
         s, j = self.where[str(sample_id)]
         if s in self.done:
             raise ValueError(f"sample {sample_id!r} is in shard {s}, which is already committed")
         n = self.lengths[self.plan[s][j]]
+        if self.compact is not None:
+            self._add_compact(s, j, n, sample_id, input_ids, loss_mask,
+                              encoded if encoded is not None else codec.encode(self.compact, aux, final))
+            return
         want = {"input_ids": (n,), "loss_mask": (n,), "aux": (n, self.num_aux * self.hidden),
                 "final": (n, self.hidden)}
         parts = {"input_ids": torch.as_tensor(input_ids), "loss_mask": torch.as_tensor(loss_mask),
@@ -234,11 +266,6 @@ class FeatureWriter:
             if bad:
                 raise FeatureDatasetError(f"sample {sample_id!r}: {name} holds {bad} non-finite values (NaN/Inf): "
                                           f"the target overflowed its dtype on this sample")
-        if s not in self.open:
-            lengths = [self.lengths[i] for i in self.plan[s]]
-            self.open[s] = OpenShard(self.partial / shard_name(s), lengths, self.num_aux, self.hidden,
-                                      FLOAT_DTYPES[self.dtype][1], AUX_DTYPES[self.aux_dtype][1])
-        shard = self.open[s]
         arrays = {"input_ids": np_bytes(parts["input_ids"], torch.int32),
                   "loss_mask": np_bytes(parts["loss_mask"], torch.uint8),
                   "final": np_bytes(final, self.torch_dtype)}
@@ -247,6 +274,39 @@ class FeatureWriter:
             arrays.update(aux=np_bytes(q, torch.float8_e4m3fn), aux_scale=scale.numpy())
         else:
             arrays["aux"] = np_bytes(aux, FLOAT_DTYPES[self.aux_dtype][0])
+        self._write(s, j, arrays)
+
+    def _add_compact(self, s: int, j: int, n: int, sample_id: str, input_ids, loss_mask,
+                     enc: Dict[str, torch.Tensor]) -> None:
+        specs = codec.column_specs(self.num_aux, self.hidden, self.fmt)
+        parts = {"input_ids": torch.as_tensor(input_ids), "loss_mask": torch.as_tensor(loss_mask), **enc}
+        for name, shape in [("input_ids", (n,)), ("loss_mask", (n,))] + [(c, (n, *specs[c][1])) for c in specs]:
+            if tuple(parts[name].shape) != shape:
+                raise ValueError(f"sample {sample_id!r}: {name} has shape {tuple(parts[name].shape)}, "
+                                 f"expected {shape}")
+        for name in ("aux_scale", "teacher_p", "teacher_mass"):   # what a NaN in aux or final turns into
+            bad = int((~torch.isfinite(parts[name].float())).sum())
+            if bad:
+                raise FeatureDatasetError(f"sample {sample_id!r}: {name} holds {bad} non-finite values (NaN/Inf): "
+                                          f"the target overflowed its dtype on this sample")
+        ids_dt = torch.int16 if specs["teacher_ids"][0] == "I16" else torch.int32
+        arrays = {"input_ids": np_bytes(parts["input_ids"], torch.int32),
+                  "loss_mask": np_bytes(parts["loss_mask"], torch.uint8),
+                  "aux_codes": np_bytes(parts["aux_codes"], torch.uint8),
+                  "aux_scale": np_bytes(parts["aux_scale"], torch.bfloat16),
+                  "teacher_ids": np_bytes(parts["teacher_ids"], ids_dt),
+                  "teacher_p": np_bytes(parts["teacher_p"], torch.float16),
+                  "teacher_mass": np_bytes(parts["teacher_mass"], torch.float32),
+                  "teacher_top": np_bytes(parts["teacher_top"], torch.int32)}
+        self._write(s, j, arrays)
+
+    def _write(self, s: int, j: int, arrays: Dict[str, np.ndarray]) -> None:
+        """Write one sample's arrays at its place in shard s; commit the shard when it is complete."""
+        if s not in self.open:
+            lengths = [self.lengths[i] for i in self.plan[s]]
+            self.open[s] = OpenShard(self.partial / shard_name(s), lengths, self.num_aux, self.hidden,
+                                     FLOAT_DTYPES[self.dtype][1], AUX_DTYPES[self.aux_dtype][1], self.fmt)
+        shard = self.open[s]
         shard.write(j, arrays)
         if not shard.pending:
             nbytes, digest = shard.commit()
@@ -270,11 +330,17 @@ class FeatureWriter:
         tokens = sum(sh["num_tokens"] for sh in shards)
         nbytes = sum(sh["num_bytes"] for sh in shards)
         manifest = dict(self.meta)
+        if self.fmt is not None:
+            dtypes = {"aux_codes": "uint8", "aux_scale": "bfloat16", "teacher_ids": self.fmt["teacher"]["ids"],
+                      "teacher_p": "float16", "teacher_mass": "float32", "teacher_top": "int32"}
+            manifest["feature_format"] = dict(self.fmt, draft_vocab_file=VOCAB)
+        else:
+            dtypes = {"aux": self.aux_dtype, "final": self.dtype,
+                      **({"aux_scale": "float32"} if self.aux_dtype == FP8 else {})}
         manifest.update({
-            "format": FORMAT, "format_version": FORMAT_VERSION, "shard_tokens": self.run["shard_tokens"],
-            "dtypes": {"aux": self.aux_dtype, "final": self.dtype, "input_ids": "int32",
-                       "loss_mask": "uint8", "offsets": "int64",
-                       **({"aux_scale": "float32"} if self.aux_dtype == FP8 else {})},
+            "format": FORMAT, "shard_tokens": self.run["shard_tokens"],
+            "format_version": FORMAT_VERSION if self.fmt is None else COMPACT_CONTAINER_VERSION,
+            "dtypes": {**dtypes, "input_ids": "int32", "loss_mask": "uint8", "offsets": "int64"},
             "shards": shards,
             "totals": {"num_shards": len(shards), "num_samples": len(self.ids), "num_tokens": tokens,
                        "num_loss_tokens": sum(sh["num_loss_tokens"] for sh in shards),
@@ -289,12 +355,30 @@ class FeatureWriter:
 
 # ----------------------------------------------------------------------------- reader
 
+def feature_format(manifest: Dict[str, Any], where: Any) -> Dict[str, Any]:
+    """The manifest's feature_format record ({"name": "full", "version": 1} when it has none: every
+    dataset written before formats had names); FeatureDatasetError naming `where` and the known
+    formats when this code does not read it."""
+    fmt = manifest.get("feature_format") or {"name": "full", "version": 1}
+    if fmt.get("version") not in KNOWN_FORMATS.get(fmt.get("name"), ()):
+        known = ", ".join(f"{n} (version {', '.join(map(str, v))})" for n, v in KNOWN_FORMATS.items())
+        raise FeatureDatasetError(f"{where}: feature format {fmt.get('name')!r} version {fmt.get('version')!r} "
+                                  f"is not one this code reads; known formats: {known}")
+    want = COMPACT_CONTAINER_VERSION if fmt["name"] == codec.NAME else FORMAT_VERSION
+    if manifest.get("format_version") != want:
+        raise FeatureDatasetError(f"{where}: format_version {manifest.get('format_version')}, this code reads "
+                                  f"{want} for the {fmt['name']} format")
+    return fmt
+
+
 class FeatureDataset:
-    """Read side: ds[i] -> {input_ids [T] int64, loss_mask [T] uint8, aux [T, k*H], final [T, H]}.
+    """Read side: ds[i] -> {input_ids [T] int64, loss_mask [T] uint8, aux [T, k*H], final [T, H]}, or
+    for a compact dataset {input_ids, loss_mask, aux [T, k*H] bf16, teacher_ids [T, K] int64,
+    teacher_p [T, K] fp16, teacher_mass [T] fp32, teacher_top [T] int64} (eagle3/codec.py).
 
     Shards are memory-mapped (copy-on-write, so tensors are writable without touching the file)
     when first used; aux/final/loss_mask are views into the mapping, not copies. Only input_ids is
-    widened to int64 (a copy of T ints), and fp8 aux is dequantized to bf16 (a copy).
+    widened to int64 (a copy of T ints), and fp8 or 4-bit aux is dequantized to bf16 (a copy).
     """
 
     def __init__(self, path, expected: Optional[Dict[str, Any]] = None):
@@ -305,9 +389,8 @@ class FeatureDataset:
                 self.path.name + ".partial").exists() else ""
             raise FeatureDatasetError(f"{self.path}: no {MANIFEST}{hint}")
         self.manifest = json.loads(mf.read_text())
-        if self.manifest.get("format_version") != FORMAT_VERSION:
-            raise FeatureDatasetError(f"{mf}: format_version {self.manifest.get('format_version')}, "
-                                      f"this code reads {FORMAT_VERSION}")
+        self.format = feature_format(self.manifest, mf)
+        self.compact = self.format["name"] == codec.NAME
         if expected:
             check_compatible(self.manifest, expected, where=str(self.path))
         shards = self.manifest["shards"]
@@ -366,9 +449,27 @@ class FeatureDataset:
         t = self._verified(int(self._shard[i]))
         j = int(self._local[i])
         a, b = int(t["offsets"][j]), int(t["offsets"][j + 1])
+        if self.compact:
+            return {"input_ids": t["input_ids"][a:b].long(), "loss_mask": t["loss_mask"][a:b],
+                    "aux": codec.dequantize_aux(t["aux_codes"][a:b], t["aux_scale"][a:b]),
+                    "teacher_ids": t["teacher_ids"][a:b].long(), "teacher_p": t["teacher_p"][a:b],
+                    "teacher_mass": t["teacher_mass"][a:b], "teacher_top": t["teacher_top"][a:b].long()}
         aux = t["aux"][a:b] if "aux_scale" not in t else dequantize_fp8(t["aux"][a:b], t["aux_scale"][a:b])
         return {"input_ids": t["input_ids"][a:b].long(), "loss_mask": t["loss_mask"][a:b],
                 "aux": aux, "final": t["final"][a:b]}
+
+    def draft_vocab(self) -> Optional[DraftVocab]:
+        """The draft vocab a compact dataset's teacher is over (checked against the manifest's
+        sha256); None for a full dataset, whose teacher training computes from final."""
+        if not self.compact:
+            return None
+        path = self.path / self.format.get("draft_vocab_file", VOCAB)
+        if not path.exists():
+            raise FeatureDatasetError(f"{path.name}: missing from {self.path} (the draft vocab of its teacher)")
+        vocab = DraftVocab.load(path)
+        if codec.vocab_sha256(vocab) != self.format["teacher"]["draft_vocab_sha256"]:
+            raise FeatureDatasetError(f"{path}: its draft vocab does not match the sha256 the manifest recorded")
+        return vocab
 
     def validate(self) -> None:
         """Check every shard fully against the manifest; FeatureDatasetError names the bad shard."""
@@ -389,8 +490,31 @@ class FeatureDataset:
                                           f"manifest says {rec['num_loss_tokens']}")
 
 
-def check_storage(ds: FeatureDataset, dtype: str, aux_dtype: str = "") -> None:
+def check_draft_vocab(path, vocab: DraftVocab) -> None:
+    """A compact dataset's teacher is over the draft vocab it was captured with: a training run with
+    another one is refused, naming both. Full datasets take any draft vocab."""
+    ds = FeatureDataset(path)
+    have = ds.draft_vocab()
+    if have is None or torch.equal(have.d2t.cpu(), vocab.d2t.cpu()):
+        return
+    raise FeatureDatasetError(
+        f"this run's draft vocab ({vocab.size} tokens, sha256 {codec.vocab_sha256(vocab)[:12]}) differs from the "
+        f"one {ds.path / VOCAB} was captured with ({have.size} tokens, sha256 {codec.vocab_sha256(have)[:12]}): a "
+        f"compact dataset's teacher is over its draft vocab. Train with drafter.draft_vocab_size={have.size} and "
+        f"the capture's data.heldout_fraction={ds.manifest['data'].get('heldout_fraction')}, or recapture")
+
+
+def check_storage(ds: FeatureDataset, dtype: str, aux_dtype: str = "", compact: Optional[Compact] = None) -> None:
     """A finished dataset kept for a capture must be stored as that capture asks."""
+    if ds.compact or compact is not None:
+        have = ds.format if ds.compact else {"name": "full"}
+        want = compact.params() if compact is not None else {"name": "full"}
+        bad = [f"{k} is {h!r}, this capture asks for {w!r}" for k, h, w in _diffs(have, want)]
+        if bad:
+            raise FeatureDatasetError(f"{ds.path}: feature format " + "; ".join(bad) + " (capture.format, "
+                                      "capture.teacher_topk, drafter.draft_vocab_size): delete it or point "
+                                      "data.features_dir elsewhere")
+        return
     have = {"final": ds.manifest["dtypes"]["final"], "aux": ds.manifest["dtypes"]["aux"]}
     want = {"final": dtype, "aux": aux_dtype or dtype}
     if have != want:
@@ -400,26 +524,28 @@ def check_storage(ds: FeatureDataset, dtype: str, aux_dtype: str = "") -> None:
             f"point data.features_dir elsewhere")
 
 
-def finished_capture(path, meta: Dict[str, Any], dtype: str, aux_dtype: str = "") -> bool:
+def finished_capture(path, meta: Dict[str, Any], dtype: str, aux_dtype: str = "",
+                     compact: Optional[Compact] = None) -> bool:
     """True when a finished dataset at `path` is this capture's: its manifest matches meta (engine
-    version aside, so a newer engine keeps it) and its storage dtypes; a mismatch raises."""
+    version aside, so a newer engine keeps it) and its storage (dtypes or format); a mismatch raises."""
     path = Path(path)
     if not (path / MANIFEST).exists():
         return False
     check_storage(FeatureDataset(path, expected={k: v for k, v in meta.items() if k != "engine"}),
-                  dtype, aux_dtype)
+                  dtype, aux_dtype, compact)
     print(f"capture: {path} is complete; nothing to do")
     return True
 
 
 def open_capture(path, meta: Dict[str, Any], sample_ids: Sequence[str], lengths: Sequence[int], *,
-                 dtype: str, shard_tokens: int, aux_dtype: str = "") -> Optional[FeatureWriter]:
+                 dtype: str, shard_tokens: int, aux_dtype: str = "",
+                 compact: Optional[Compact] = None) -> Optional[FeatureWriter]:
     """The writer of a capture into `path`, resuming the committed shards of an earlier run of it;
     None when the finished dataset is already there (see finished_capture)."""
-    if finished_capture(path, meta, dtype, aux_dtype):
+    if finished_capture(path, meta, dtype, aux_dtype, compact):
         return None
     writer = FeatureWriter(path, meta, sample_ids, lengths, dtype=dtype, shard_tokens=shard_tokens,
-                           aux_dtype=aux_dtype)
+                           aux_dtype=aux_dtype, compact=compact)
     done = len(writer.plan) - len(writer.pending_shards())
     if done:
         print(f"capture: resuming {writer.partial}: {done} of {len(writer.plan)} shards already done")
@@ -433,36 +559,48 @@ class Batch:
     """What the drafter and loss see, whether features came from disk or an in-process target.
 
     input_ids [B,T] int64, loss_mask [B,T] float32, attention_mask [B,T] bool (True on real
-    tokens; right padding), aux [B,T,k*H], final [B,T,H].
+    tokens; right padding), aux [B,T,k*H], final [B,T,H]; from a compact dataset final is None
+    and teacher holds the stored teacher instead (eagle3.loss.batch_teacher reads either).
     """
     input_ids: torch.Tensor
     loss_mask: torch.Tensor
     attention_mask: torch.Tensor
     aux: torch.Tensor
-    final: torch.Tensor
+    final: Optional[torch.Tensor]
     sample_ids: List[str]
+    teacher: Optional[StoredTeacher] = None
 
     def to(self, device, dtype: Optional[torch.dtype] = None) -> "Batch":
-        """Move to device; aux/final also to dtype (the masks keep theirs)."""
+        """Move to device; aux/final also to dtype (the masks and the stored teacher keep theirs)."""
         return Batch(self.input_ids.to(device), self.loss_mask.to(device), self.attention_mask.to(device),
-                     self.aux.to(device, dtype), self.final.to(device, dtype), list(self.sample_ids))
+                     self.aux.to(device, dtype), None if self.final is None else self.final.to(device, dtype),
+                     list(self.sample_ids), None if self.teacher is None else self.teacher.to(device))
 
 
 def collate(items: List[Dict[str, torch.Tensor]], sample_ids: Sequence[str]) -> Batch:
     """Right-pad ds[i] dicts with zeros into a Batch (aux/final keep their stored dtype)."""
     B, T = len(items), max(len(it["input_ids"]) for it in items)
-    kH, H = items[0]["aux"].shape[-1], items[0]["final"].shape[-1]
+    kH = items[0]["aux"].shape[-1]
     fdt = items[0]["aux"].dtype
+    stored = "teacher_p" in items[0]
     ids = torch.zeros(B, T, dtype=torch.long)
     loss = torch.zeros(B, T, dtype=torch.float32)
     att = torch.zeros(B, T, dtype=torch.bool)
     aux = torch.zeros(B, T, kH, dtype=fdt)
-    final = torch.zeros(B, T, H, dtype=fdt)
+    final = None if stored else torch.zeros(B, T, items[0]["final"].shape[-1], dtype=fdt)
+    if stored:
+        K = items[0]["teacher_p"].shape[-1]
+        teacher = StoredTeacher(torch.zeros(B, T, K, dtype=torch.long), torch.zeros(B, T, K, dtype=torch.float32),
+                                torch.zeros(B, T, dtype=torch.float32), torch.zeros(B, T, dtype=torch.long))
     for b, it in enumerate(items):
         n = len(it["input_ids"])
         ids[b, :n] = it["input_ids"]
         loss[b, :n] = it["loss_mask"]
         att[b, :n] = True
         aux[b, :n] = it["aux"]
-        final[b, :n] = it["final"]
-    return Batch(ids, loss, att, aux, final, list(sample_ids))
+        if stored:
+            teacher.ids[b, :n], teacher.p[b, :n] = it["teacher_ids"], it["teacher_p"]
+            teacher.mass[b, :n], teacher.top[b, :n] = it["teacher_mass"], it["teacher_top"]
+        else:
+            final[b, :n] = it["final"]
+    return Batch(ids, loss, att, aux, final, list(sample_ids), teacher if stored else None)

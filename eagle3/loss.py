@@ -51,6 +51,27 @@ def target_teacher(final: torch.Tensor, target_lm_head: torch.Tensor, draft_ids:
 
 
 @torch.no_grad()
+def batch_teacher(batch, target_lm_head: torch.Tensor, draft_ids: torch.Tensor) -> tuple:
+    """The teacher of a features.Batch, as ttt_loss's `teacher`: target_teacher of its final states
+    (p, top), or a compact dataset's stored teacher (p, top, mass), its top-K probabilities spread
+    over the draft vocab and renormalised (eagle3/codec.py stores it)."""
+    if batch.teacher is None:
+        return target_teacher(batch.final, target_lm_head, draft_ids)
+    t = batch.teacher
+    return dense_teacher(t.ids, t.p, draft_ids.numel()), t.top, t.mass
+
+
+def dense_teacher(ids: torch.Tensor, p: torch.Tensor, draft_vocab_size: int) -> torch.Tensor:
+    """(ids [..., K], p [..., K]) -> [..., Vd] fp32: the K probabilities at their draft ids, the rest
+    0, renormalised to sum to 1 (soft_ce's gradient needs a distribution); an all-zero row (padding)
+    stays zero."""
+    pf = p.float()
+    out = torch.zeros(*p.shape[:-1], draft_vocab_size, dtype=torch.float32, device=p.device)
+    out.scatter_(-1, ids.long(), pf)
+    return out / pf.sum(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
+
+
+@torch.no_grad()
 def draft_mass(final: torch.Tensor, target_lm_head: torch.Tensor, draft_ids: torch.Tensor,
                chunk_rows: Optional[int] = None) -> torch.Tensor:
     """[B, T] (fp32+): the target's full-vocab probability mass on the draft columns, row by row
@@ -142,7 +163,8 @@ def ttt_loss(drafter: Eagle3Drafter, input_ids: torch.Tensor, loss_mask: torch.T
     loss: one of eagle3.losses.LOSSES; soft_ce runs fused, the others in plain torch over the
     counted rows' logits.
 
-    teacher: target_teacher's (p, top) when the caller computed it already. norm [S]: divide step s's
+    teacher: target_teacher's (p, top) when the caller computed it already, or batch_teacher's
+    (p, top, mass) of a stored teacher, when final may be None. norm [S]: divide step s's
     summed loss by norm[s] instead of this batch's count, so micro-batches and data-parallel ranks add
     up to the loss of the whole global batch (train.py passes the global counts); per_step_loss
     stays this batch's mean."""
@@ -151,8 +173,10 @@ def ttt_loss(drafter: Eagle3Drafter, input_ids: torch.Tensor, loss_mask: torch.T
     dev = input_ids.device
     real = attention_mask.bool()
     draft_ids = vocab.draft_ids.to(dev)
-    p, top = teacher if teacher is not None else target_teacher(final, target_lm_head, draft_ids)
-    mass = draft_mass(final, target_lm_head, draft_ids).reshape(B * T) if loss in NEEDS_MASS else None
+    p, top, *stored = teacher if teacher is not None else target_teacher(final, target_lm_head, draft_ids)
+    mass = None
+    if loss in NEEDS_MASS:
+        mass = (stored[0] if stored else draft_mass(final, target_lm_head, draft_ids)).reshape(B * T)
     t2d = vocab.t2d.to(dev)
     # RoPE: step s at row t is at position t+s (see the module doc): angles once for all steps
     cos, sin = drafter.rope_angles(torch.arange(T - 1 + ttt_steps, device=dev).expand(B, -1))

@@ -3,7 +3,7 @@
 eagle3/features.py owns the dataset (plan, writer, reader, manifest); this module owns what one shard
 holds and where: the storage dtypes, the layout (tensors in descending element size, so each can be
 viewed straight out of a memory map), the header, the positioned writes, fp8 aux with its row
-scales, and the checks of a shard's header against its manifest record.
+scales, the compact format's columns (eagle3/codec.py), and the checks of a shard's header against its manifest record.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 import torch
 
+from eagle3 import codec
 from eagle3.durable import disk_full, fsync_dir, is_disk_full
 
 FORMAT = "eagle3-features"
@@ -32,8 +33,7 @@ FP8 = "float8_e4m3fn"                        # aux only, scaled per row and aux 
 AUX_DTYPES = dict(FLOAT_DTYPES, **{FP8: (torch.float8_e4m3fn, "F8_E4M3", np.uint8)})
 E4M3_MAX = 448.0
 _NP = {"BF16": np.int16, "F16": np.float16, "F32": np.float32, "F8_E4M3": np.uint8,
-       "I64": np.int64, "I32": np.int32, "U8": np.uint8}
-_FIXED = {"offsets": "I64", "input_ids": "I32", "aux_scale": "F32", "loss_mask": "U8"}
+       "I64": np.int64, "I32": np.int32, "I16": np.int16, "U8": np.uint8}
 
 
 class FeatureDatasetError(Exception):
@@ -42,24 +42,34 @@ class FeatureDatasetError(Exception):
 
 # ----------------------------------------------------------------------------- shard layout
 
+# Tensors sit in descending element size (ties in this order), so each starts aligned to its size.
+_ORDER = ("offsets", "input_ids", "aux_scale", "aux", "final", "teacher_mass", "teacher_top", "teacher_ids",
+          "teacher_p", "aux_codes", "loss_mask")
+
+
 def layout(num_samples: int, num_tokens: int, num_aux: int, hidden: int, float_st: str,
-           aux_st: Optional[str] = None):
+           aux_st: Optional[str] = None, compact: Optional[Dict[str, Any]] = None):
     """Header dict and total byte-buffer size of a shard with these sizes (deterministic).
-    float_st: final's safetensors dtype (and aux's unless aux_st says otherwise)."""
+    float_st: final's safetensors dtype (and aux's unless aux_st says otherwise); compact: the
+    manifest's feature_format record of a compact dataset (eagle3/codec.py), whose columns replace
+    aux and final."""
     aux_st = aux_st or float_st
-    shapes = {"offsets": [num_samples + 1], "input_ids": [num_tokens],
-              "aux": [num_tokens, num_aux * hidden], "final": [num_tokens, hidden],
-              "loss_mask": [num_tokens]}
-    order = ["offsets", "input_ids", "aux", "final", "loss_mask"]     # descending alignment
-    if aux_st == "F8_E4M3":
-        shapes["aux_scale"] = [num_tokens, num_aux]
-        order = ["offsets", "input_ids", "aux_scale", "final", "aux", "loss_mask"]
+    cols = {"offsets": ("I64", [num_samples + 1]), "input_ids": ("I32", [num_tokens]),
+            "loss_mask": ("U8", [num_tokens])}
+    if compact is not None:
+        cols.update({n: (st, [num_tokens] + shape)
+                     for n, (st, shape) in codec.column_specs(num_aux, hidden, compact).items()})
+    else:
+        cols.update(aux=(aux_st, [num_tokens, num_aux * hidden]), final=(float_st, [num_tokens, hidden]))
+        if aux_st == "F8_E4M3":
+            cols["aux_scale"] = ("F32", [num_tokens, num_aux])
+    order = sorted(cols, key=lambda n: (-np.dtype(_NP[cols[n][0]]).itemsize, _ORDER.index(n)))
     header: Dict[str, Any] = {"__metadata__": {"format": FORMAT, "format_version": str(FORMAT_VERSION)}}
     pos = 0
     for name in order:
-        st = _FIXED.get(name, aux_st if name == "aux" else float_st)
-        nbytes = int(np.prod(shapes[name])) * np.dtype(_NP[st]).itemsize
-        header[name] = {"dtype": st, "shape": shapes[name], "data_offsets": [pos, pos + nbytes]}
+        st, shape = cols[name]
+        nbytes = int(np.prod(shape)) * np.dtype(_NP[st]).itemsize
+        header[name] = {"dtype": st, "shape": shape, "data_offsets": [pos, pos + nbytes]}
         pos += nbytes
     return header, pos
 
@@ -122,11 +132,11 @@ class OpenShard:
     """A shard being filled: a preallocated temp file written at fixed positions."""
 
     def __init__(self, path: Path, lengths: List[int], num_aux: int, hidden: int, float_st: str,
-                 aux_st: str):
+                 aux_st: str, compact: Optional[Dict[str, Any]] = None):
         self.path, self.tmp = path, path.with_name(path.name + ".tmp")
         starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)   # [S+1]
         self.starts, self.pending, self.loss_tokens = starts, set(range(len(lengths))), 0
-        header, size = layout(len(lengths), int(starts[-1]), num_aux, hidden, float_st, aux_st)
+        header, size = layout(len(lengths), int(starts[-1]), num_aux, hidden, float_st, aux_st, compact)
         head = header_bytes(header)
         self.base, self.size = len(head), len(head) + size
         self.off = {k: v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}
@@ -193,9 +203,7 @@ def check_shard(path: Path, rec: Dict[str, Any], manifest: Dict[str, Any]):
     """Header checks of one shard against the manifest. Returns (header, data start)."""
     size = path.stat().st_size
     header, start = read_header(path, size)
-    dtypes = manifest["dtypes"]
-    want, body = layout(rec["num_samples"], rec["num_tokens"], manifest["num_aux"], manifest["hidden_size"],
-                         FLOAT_DTYPES[dtypes["final"]][1], AUX_DTYPES[dtypes["aux"]][1])
+    want, body = manifest_layout(rec, manifest)
     for name in [n for n in want if n != "__metadata__"]:
         got = header.get(name)
         if got is None:
@@ -214,6 +222,17 @@ def check_shard(path: Path, rec: Dict[str, Any], manifest: Dict[str, Any]):
     if size != rec["num_bytes"]:
         raise FeatureDatasetError(f"{path.name}: {size} bytes, manifest says {rec['num_bytes']}")
     return header, start
+
+
+def manifest_layout(rec: Dict[str, Any], manifest: Dict[str, Any]):
+    """layout() of the shard `rec` of a dataset with this manifest (full or compact)."""
+    fmt = manifest.get("feature_format")
+    if fmt is not None and fmt["name"] == codec.NAME:
+        return layout(rec["num_samples"], rec["num_tokens"], manifest["num_aux"], manifest["hidden_size"],
+                      "BF16", compact=fmt)
+    dtypes = manifest["dtypes"]
+    return layout(rec["num_samples"], rec["num_tokens"], manifest["num_aux"], manifest["hidden_size"],
+                  FLOAT_DTYPES[dtypes["final"]][1], AUX_DTYPES[dtypes["aux"]][1])
 
 
 def tensor_views(data: np.ndarray, header: Dict[str, Any]) -> Dict[str, torch.Tensor]:

@@ -300,3 +300,44 @@ def test_collate_pads_right_with_zeros(tmp_path):
     moved = batch.to("cpu", torch.float32)
     assert isinstance(moved, Batch) and moved.aux.dtype == torch.float32 and moved.loss_mask.dtype == torch.float32
     assert moved.sample_ids == ["s0", "s1", "s2"]
+
+
+def test_full_datasets_carry_no_format_field_and_old_manifests_still_read(tmp_path):
+    """A full dataset's manifest is what it was before formats had names (no feature_format,
+    format_version 1), so datasets written before read unchanged; one naming the full format
+    explicitly reads too, and a format this code does not know is refused naming the file."""
+    samples = fake_samples()
+    path = write(tmp_path / "ds", samples)
+    mf = path / "manifest.json"
+    m = json.loads(mf.read_text())
+    assert "feature_format" not in m and m["format_version"] == 1
+    assert FeatureDataset(path).format == {"name": "full", "version": 1}
+    m["feature_format"] = {"name": "full", "version": 1}
+    mf.write_text(json.dumps(m))
+    ds = FeatureDataset(path)
+    assert torch.equal(ds[2]["final"], samples[2]["final"].bfloat16()) and ds.draft_vocab() is None
+    for fmt, version, why in (("full", 2, r"feature format 'full' version 2 is not one this code reads"),
+                              ("packed", 1, r"feature format 'packed' version 1 is not one this code reads; "
+                                            r"known formats: full \(version 1\), compact \(version 1\)")):
+        m["feature_format"] = {"name": fmt, "version": version}
+        mf.write_text(json.dumps(m))
+        with pytest.raises(FeatureDatasetError, match=rf"{tmp_path / 'ds' / 'manifest.json'}: {why}"):
+            FeatureDataset(path)
+    m["feature_format"] = {"name": "compact", "version": 1}             # compact in a version-1 container
+    mf.write_text(json.dumps(m))
+    with pytest.raises(FeatureDatasetError, match=r"format_version 1, this code reads 2 for the compact format"):
+        FeatureDataset(path)
+
+
+def test_layout_of_full_shards_is_unchanged(tmp_path):
+    """The shard layout every existing full dataset was written with: tensor order and offsets."""
+    from eagle3.shards import layout
+    header, size = layout(2, 10, K, H, "BF16")
+    assert [n for n in header if n != "__metadata__"] == ["offsets", "input_ids", "aux", "final", "loss_mask"]
+    assert size == 3 * 8 + 10 * 4 + 10 * K * H * 2 + 10 * H * 2 + 10
+    header, _ = layout(2, 10, K, H, "BF16", "F8_E4M3")
+    assert [n for n in header if n != "__metadata__"] == ["offsets", "input_ids", "aux_scale", "final", "aux",
+                                                         "loss_mask"]
+    header, _ = layout(2, 10, K, H, "F32", "F8_E4M3")
+    assert [n for n in header if n != "__metadata__"] == ["offsets", "input_ids", "aux_scale", "final", "aux",
+                                                         "loss_mask"]

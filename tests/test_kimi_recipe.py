@@ -55,7 +55,7 @@ def test_recipe_values_and_size():
     c = _config()
     assert (c.optim.lr, c.optim.warmup_fraction, c.train.epochs, c.train.batch_size) == (8e-5, 0.02, 3, 16)
     assert (c.train.ttt_steps, c.train.length_groups, c.drafter.draft_vocab_size) == (4, 32, 32000)
-    assert c.capture.aux_dtype == "float8_e4m3fn" and not c.capture.implicit
+    assert c.capture.format == "compact" and c.capture.draft_vocab_size == 32000 and not c.capture.implicit
     lines = (ROOT / "conf/experiment/kimi_k25.yaml").read_text().splitlines()
     assert len(lines) <= 40                                                  # a small delta
 
