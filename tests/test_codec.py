@@ -297,3 +297,35 @@ def test_training_with_another_draft_vocab_is_refused(tiny, tmp_path):
             f"data.features_dir={d}/compact_features", check=False)
     err = p.stdout + p.stderr
     assert p.returncode != 0 and "this run's draft vocab (1024 tokens" in err and "(2048 tokens" in err
+
+
+def test_parts_captured_apart_share_the_draft_vocab_of_all_training_samples(tmp_path):
+    """The stream captures a shard's samples at a time: with vocab_samples, every part's teacher is over
+    the draft vocab of all training samples; each part's own samples would give another vocab."""
+    from omegaconf import OmegaConf
+
+    from capture.hf import hf_meta, run_capture
+    from eagle3.codec import FeatureFormat
+    from eagle3.targets import load_target_model, resolve_target, target_info
+    tcfg = OmegaConf.load(ROOT / "conf/target/tiny_llama.yaml")
+    tdir = resolve_target("random", "", tcfg.name, "llama", OmegaConf.to_container(tcfg.random_config), 0)
+    info = target_info(tdir)
+    model = load_target_model(tdir, torch.float32, "cpu")
+    g = torch.Generator().manual_seed(5)
+    samples = [SimpleNamespace(id=f"s{i}", input_ids=torch.randint(0, info.vocab_size, (int(n),), generator=g),
+                               loss_mask=(torch.rand(int(n), generator=g) > 0.2).to(torch.uint8))
+               for i, n in enumerate(torch.randint(8, 40, (8,), generator=g))]
+    m = hf_meta(target_name=info.name, target_fingerprint=info.fingerprint, arch=info.model_type,
+                aux_layers=[1, 2, 3], hidden_size=info.hidden_size, tokenizer_name="tok", chat_template=None,
+                data={"source": "fake", "heldout_ids": ["s7"]})
+    fmt = FeatureFormat("compact", 4, 24)
+    want = codec.vocab_sha256(codec.capture_vocab(samples, ["s7"], info.vocab_size, 24))
+    shas = []
+    for k, part in enumerate((samples[:4], samples[4:])):
+        for vocab_samples, tag in ((samples, "all"), (None, "own")):
+            out = run_capture(model, part, tmp_path / f"{tag}{k}", aux_layers=[1, 2, 3], meta=m, batch_tokens=64,
+                              shard_tokens=64, dtype="float32", device="cpu", progress=False, fmt=fmt,
+                              vocab_samples=vocab_samples)
+            shas.append((tag, FeatureDataset(out).manifest["feature_format"]["teacher"]["draft_vocab_sha256"]))
+    assert [s for t, s in shas if t == "all"] == [want, want]
+    assert len({s for t, s in shas if t == "own"} | {want}) == 3      # each part alone: a vocab of its own
