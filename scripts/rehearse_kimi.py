@@ -65,6 +65,10 @@ def parse_args(argv=None):
     ap.add_argument("--summary", type=Path, help="the summary file (default: WORK/rehearsal.json)")
     ap.add_argument("--check-sglang", type=Path, metavar="EXPORT",
                     help="only load EXPORT with SGLang 0.5.23's own loader (run it in SGLang's environment)")
+    ap.add_argument("--random-export", type=Path, metavar="DIR",
+                    help="only write the recipe's drafter with random weights through the export train.py uses "
+                         "(DIR/sglang, 2.3 GB; no GPU, no target): what --check-sglang needs where the "
+                         "rehearsal's own export cannot travel")
     args = ap.parse_args(argv)
     defaults = (dict(prompts=24, new_tokens=16, regen_batch=8, steps=6, bench_steps=2) if args.tiny else
                 dict(prompts=128, new_tokens=128, regen_batch=32, steps=80, bench_steps=10))
@@ -328,6 +332,34 @@ def rehearse(a) -> dict:
     return s
 
 
+def random_export(out: Path) -> Path:
+    """The kimi_k25 recipe's drafter (its widths, draft vocab, RoPE and aux ids, at Kimi-K2.5's hidden
+    size and vocab) with random bf16 weights, exported for SGLang by eagle3.export."""
+    import torch
+    import yaml
+
+    from eagle3.export import export_drafter
+    from eagle3.model import DrafterShape, Eagle3Drafter
+    recipe = yaml.safe_load((ROOT / "conf" / "experiment" / "kimi_k25.yaml").read_text())
+    d = recipe["drafter"]
+    shape = DrafterShape(hidden_size=KIMI_K25["hidden_size"], intermediate_size=d["intermediate_size"],
+                         num_attention_heads=d["num_attention_heads"], num_key_value_heads=d["num_key_value_heads"],
+                         head_dim=d["head_dim"], vocab_size=KIMI_K25["vocab_size"], draft_vocab_size=d["draft_vocab_size"],
+                         target_hidden_size=KIMI_K25["hidden_size"], num_aux=len(recipe["aux_layers"]),
+                         rope_theta=float(d["rope_theta"]), max_position_embeddings=int(d["max_position_embeddings"]))
+    with torch.device("meta"):
+        names = {k: v.shape for k, v in Eagle3Drafter(shape).exportable_state_dict().items()}
+    g = torch.Generator().manual_seed(0)
+    tensors = {k: (torch.randn(v, generator=g) * 0.02).to(torch.bfloat16) for k, v in names.items()}
+    d2t = torch.zeros(shape.draft_vocab_size, dtype=torch.long)
+    t2d = torch.zeros(shape.vocab_size, dtype=torch.bool)
+    t2d[:shape.draft_vocab_size] = True
+    path = export_drafter(out, tensors, shape, d2t, t2d, recipe["aux_layers"], ["KimiK25ForConditionalGeneration"],
+                          engines=["sglang"])["sglang"]
+    print(f"[rehearse] random export of the recipe's drafter: {path}")
+    return path
+
+
 def check_sglang(export: Path) -> None:
     """Load EXPORT with SGLang 0.5.23's LlamaForCausalLMEagle3 on the CPU (a gloo world of one) and
     compare every parameter with our tensors (tests/sglang/test_loader.py's check)."""
@@ -371,6 +403,9 @@ def main(argv=None) -> None:
     a = parse_args(argv)
     if a.check_sglang:
         check_sglang(a.check_sglang.resolve())
+        return
+    if a.random_export:
+        random_export(a.random_export.resolve())
         return
     rehearse(a)
 
