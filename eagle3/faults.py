@@ -80,17 +80,19 @@ class Job:
     has committed, and how its result compares with the reference."""
     first: List[str]                   # the command of the first attempt
     again: List[str]                   # the command of every later one (train: resume=true)
-    watch: Path                        # where it writes: a change there is its first write
+    watch: Path                        # what it writes when the work starts: a change there is its first write
     committed: Callable[[], bool]
     compare: Callable[[], tuple]       # -> (problems, units lost)
     before: Callable[[], None] = lambda: None
 
 
 def snapshot(root: Path) -> tuple:
-    """(path, size, mtime) of everything under root: a job has written when this changes."""
+    """(path, size, mtime) of root, a file, or of everything under it: a job has written when this changes."""
     if not root.exists():
         return ()
     try:
+        if root.is_file():
+            return ((str(root), root.stat().st_size, root.stat().st_mtime_ns),)
         return tuple(sorted((str(p), st.st_size, st.st_mtime_ns) for p in root.rglob("*") for st in [p.stat()]))
     except (FileNotFoundError, NotADirectoryError):     # renamed or removed while listed: it is writing
         return ("changing", time.monotonic())
@@ -180,7 +182,7 @@ class Harness:
         if kind in ("train", "export") and "train" not in self.typical:
             shutil.rmtree(w / "ref_run", ignore_errors=True)
             self.typical["train"], self.writing["train"] = self.run(
-                self.train_args(w / "ref_run", False), "ref_train.log", w / "ref_run")
+                self.train_args(w / "ref_run", False), "ref_train.log", w / "ref_run" / "metrics.jsonl")
         if kind == "export" and "export" not in self.typical:
             shutil.rmtree(w / "ref_export_run", ignore_errors=True)
             shutil.copytree(w / "ref_run", w / "ref_export_run")
@@ -211,8 +213,8 @@ class Harness:
             return Job(self.regen_args(), self.regen_args(), self.regen_dir(), committed,
                        lambda: same_lines(w / "ref_regen.jsonl", self.regen_file()),
                        before=lambda: shutil.rmtree(self.regen_dir(), ignore_errors=True))
-        if kind == "train":
-            return Job(self.train_args(d / "run", False), self.train_args(d / "run", True), d / "run",
+        if kind == "train":             # watch metrics.jsonl: its first step (Hydra writes run_dir at start-up)
+            return Job(self.train_args(d / "run", False), self.train_args(d / "run", True), d / "run" / "metrics.jsonl",
                        lambda: (d / "run" / "checkpoints" / "latest").exists(),
                        lambda: same_training(w / "ref_run", d / "run"))
         if kind == "export":
