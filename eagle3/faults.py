@@ -7,10 +7,12 @@
     python -m eagle3.faults --summarize WORK/results.jsonl          # the table of a run so far
 
 Each kind runs once uninterrupted (the reference), then `runs` times: start the job, SIGKILL its
-process group after a delay drawn (seeded) in [0, the reference's wall time] (every other run counts
-its delays from the moment the job first writes, in [0, the reference's time from there], so they
-land in the work, not the imports), rerun the same command (train: with resume=true) and kill it the
-same way, `kills` times in all, then rerun it to completion and compare with the reference:
+process group after a delay drawn (seeded) in [0, the job's wall time] (every other run counts its
+delays from the moment the attempt first writes, in [0, the job's time from there], so they land in
+the work, not the imports), rerun the same command (train: with resume=true) and kill it the same
+way, `kills` times in all, then rerun it to completion and compare with the reference. The job's
+times are the reference's until a run's first attempt finishes before its kill (the machine got
+faster): then that attempt's.
 
     capture     python -m capture +experiment=tiny            every tensor of every shard, and the manifest
     sglang      the SGLang capture client, its spool packer   as capture
@@ -106,6 +108,10 @@ class Harness:
                         TOKENIZERS_PARALLELISM="false", EAGLE3_CACHE=str(self.work / "cache"))
         self.typical: Dict[str, float] = {}     # kind -> wall seconds of the reference run
         self.writing: Dict[str, float] = {}     # kind -> seconds until it first wrote its output
+        # (kind, from_write) -> seconds a whole job lasts from its start, or from its first write: the
+        # reference's, then those of the last run whose first attempt finished before its kill (the
+        # machine's load moves them, and a delay past the job's end kills nothing)
+        self.spans: Dict[tuple, float] = {}
 
     # ------------------------------------------------------------------ processes
 
@@ -128,20 +134,21 @@ class Harness:
             raise RuntimeError(f"{' '.join(args)} failed ({p.returncode}); {self.work / logname}:\n{tail}")
         return time.time() - t0, first
 
-    def kill_after(self, args: List[str], delay: float, logname: str, watch: Optional[Path] = None) -> bool:
+    def kill_after(self, args: List[str], delay: float, logname: str, watch: Optional[Path] = None) -> tuple:
         """Start the job, SIGKILL its whole process group `delay` s after its start (or after its
-        first write under `watch`); True if it was still running."""
+        first write under `watch`): (True if it was still running, else the seconds it lasted from there)."""
         before = snapshot(watch) if watch else None
         p = self._popen(args, logname)
         while watch is not None and p.poll() is None and snapshot(watch) == before:
             time.sleep(0.02)
+        t0 = time.time()
         try:
             p.wait(timeout=delay)
-            return False
+            return False, time.time() - t0
         except subprocess.TimeoutExpired:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
-            return True
+            return True, delay
 
     # ------------------------------------------------------------------ jobs
 
@@ -228,9 +235,17 @@ class Harness:
                        lambda: same_export(w / "ref_export_run" / "export", run / "export"), before)
         raise ValueError(f"kind {kind!r}: expected one of {KINDS}")
 
-    def one(self, kind: str, index: int, delays: List[float], from_write: bool = False) -> Outcome:
+    def span(self, kind: str, from_write: bool) -> float:
+        if (kind, from_write) not in self.spans:
+            t, w = self.typical[kind], self.writing[kind]
+            self.spans[kind, False], self.spans[kind, True] = t, max(t - w, 0.1)
+        return self.spans[kind, from_write]
+
+    def one(self, kind: str, index: int, draws: List[float], from_write: bool = False,
+            seconds: bool = False) -> Outcome:
         """Kill the job after each delay in turn (each attempt resuming the last), then rerun it to
-        completion and compare."""
+        completion and compare. draws: fractions of the job's span (see `spans`), or seconds."""
+        delays = [x if seconds else x * self.span(kind, from_write) for x in draws]
         o = Outcome(kind, index, [round(x, 3) for x in delays], from_write)
         d = self.work / f"{kind}_{index:04d}"
         shutil.rmtree(d, ignore_errors=True)
@@ -239,8 +254,13 @@ class Harness:
         job = self.job(kind, d)
         job.before()
         for i, delay in enumerate(delays):
-            if not self.kill_after(job.first if i == 0 else job.again, delay, log, job.watch if from_write else None):
-                break                                       # it finished first: nothing left to kill
+            landed, lasted = self.kill_after(job.first if i == 0 else job.again, delay, log,
+                                             job.watch if from_write else None)
+            if not landed:                                  # it finished first: nothing left to kill
+                if i == 0:
+                    self.spans[kind, from_write] = lasted
+                o.delays = o.delays[:i + 1]
+                break
             o.kills += 1
             o.after_commit += job.committed()
         self.run(job.again, log)                            # a finished job's rerun must keep its result
@@ -335,14 +355,13 @@ def same_training(ref: Path, got: Path) -> tuple:
 
 # ---------------------------------------------------------------------- command
 
-def draw_delays(seed: int, kind: str, runs: int, typical: float, writing: float, kills: int = 1) -> List[tuple]:
-    """(delays, from_write) per run, `kills` delays each: even runs anywhere in [0, typical] from the
-    start, odd runs in [0, typical - writing] from the attempt's first write: a tiny job spends most
-    of its wall time importing and loading, and a kill there tests little. Seeded per kind, so one
-    kind's delays do not move when another kind is added."""
+def draw_delays(seed: int, kind: str, runs: int, kills: int = 1) -> List[tuple]:
+    """(delays as fractions of the job's span, from_write) per run, `kills` each: even runs anywhere
+    in a whole job from the start, odd runs from the attempt's first write to the job's end: a tiny
+    job spends most of its wall time importing and loading, and a kill there tests little. Seeded per
+    kind, so one kind's delays do not move when another kind is added."""
     rng = random.Random(f"{seed}:{kind}")
-    span = {False: typical, True: max(typical - writing, 0.1)}
-    return [([rng.uniform(0, span[i % 2 == 1]) for _ in range(kills)], i % 2 == 1) for i in range(runs)]
+    return [([rng.random() for _ in range(kills)], i % 2 == 1) for i in range(runs)]
 
 
 def table(outcomes: List[Outcome], seed: int, runs: int, kills: int = 1) -> str:
@@ -389,13 +408,13 @@ def main(argv=None) -> int:
         for kind in args.kinds:
             h.reference(kind)
             delays[kind] = [(args.delay, args.from_write)] * args.runs if args.delay is not None else \
-                draw_delays(args.seed, kind, args.runs, h.typical[kind], h.writing[kind], args.kills)
+                draw_delays(args.seed, kind, args.runs, args.kills)
             print(f"[faults] {kind}: reference {h.typical[kind]:.1f}s, writing from {h.writing[kind]:.1f}s",
                   flush=True)
         outcomes = []
         for i in range(args.runs):                  # kinds take turns, so a run cut short covers them all
             for kind in args.kinds:
-                o = h.one(kind, i, *delays[kind][i])
+                o = h.one(kind, i, *delays[kind][i], seconds=args.delay is not None)
                 outcomes.append(o)
                 with open(results, "a") as f:
                     f.write(json.dumps(o.__dict__) + "\n")

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from eagle3.faults import KINDS, Harness, Outcome, draw_delays, table
+from eagle3.faults import KINDS, Harness, Job, Outcome, draw_delays, table
 
 SEED, RUNS, KILLS = 0, 2, 2
 
@@ -21,12 +21,23 @@ def harness(tmp_path_factory):
 
 
 def test_delays_are_seeded_per_kind_so_a_failure_replays():
-    assert draw_delays(3, "train", 4, 10.0, 6.0, 2) == draw_delays(3, "train", 4, 10.0, 6.0, 2)
-    assert draw_delays(3, "train", 4, 10.0, 6.0, 2) != draw_delays(3, "export", 4, 10.0, 6.0, 2)
-    drawn = draw_delays(3, "train", 40, 10.0, 6.0, 3)
-    assert all(len(d) == 3 for d, _ in drawn)
-    assert all(not w and all(0 <= x <= 10.0 for x in d) for d, w in drawn[0::2])
-    assert all(w and all(0 <= x <= 4.0 for x in d) for d, w in drawn[1::2])
+    assert draw_delays(3, "train", 4, 2) == draw_delays(3, "train", 4, 2)
+    assert draw_delays(3, "train", 4, 2) != draw_delays(3, "export", 4, 2)
+    drawn = draw_delays(3, "train", 40, 3)
+    assert all(len(d) == 3 and all(0 <= x < 1 for x in d) for d, _ in drawn)
+    assert [w for _, w in drawn] == [False, True] * 20
+
+
+def test_a_kill_after_the_job_ended_shortens_the_span_of_later_runs(tmp_path):
+    """Delays scale with the job's time; when the machine gets faster and a first attempt ends before
+    its kill, later runs draw within that attempt's time, not the slower reference's."""
+    h = Harness(tmp_path)
+    h.typical["export"], h.writing["export"] = 60.0, 50.0
+    assert (h.span("export", False), h.span("export", True)) == (60.0, 10.0)
+    h.job = lambda kind, d: Job(["-c", "pass"], ["-c", "pass"], d, lambda: False, lambda: ([], 0))
+    o = h.one("export", 0, [0.9, 0.5])
+    assert o.kills == 0 and o.delays == [54.0] and o.survived
+    assert h.span("export", False) < 10.0 and h.span("export", True) == 10.0
 
 
 def test_the_table_counts_kills_and_the_units_lost():
@@ -41,7 +52,7 @@ def test_the_table_counts_kills_and_the_units_lost():
 @pytest.mark.parametrize("kind", KINDS)
 def test_killed_job_resumes_to_the_uninterrupted_result(harness, kind):
     harness.reference(kind)
-    delays = draw_delays(SEED, kind, RUNS, harness.typical[kind], harness.writing[kind], KILLS)
+    delays = draw_delays(SEED, kind, RUNS, KILLS)
     outcomes = [harness.one(kind, i, d, w) for i, (d, w) in enumerate(delays)]
     for o in outcomes:
         assert o.survived, f"{kind} killed at {o.delays}s (replay: python -m eagle3.faults --kinds {kind} " \
