@@ -258,7 +258,7 @@ class Harness:
                                              job.watch if from_write else None)
             if not landed:                                  # it finished first: nothing left to kill
                 if i == 0:
-                    self.spans[kind, from_write] = lasted
+                    self.spans[kind, from_write] = max(lasted, 0.1)
                 o.delays = o.delays[:i + 1]
                 break
             o.kills += 1
@@ -364,7 +364,8 @@ def draw_delays(seed: int, kind: str, runs: int, kills: int = 1) -> List[tuple]:
     return [([rng.random() for _ in range(kills)], i % 2 == 1) for i in range(runs)]
 
 
-def table(outcomes: List[Outcome], seed: int, runs: int, kills: int = 1) -> str:
+def table(outcomes: List[Outcome], seed: int, kills: int = 1) -> str:
+    """The markdown table; each row's command repeats the seeds of the runs it counts."""
     lines = ["| job | runs | kills (job running) | ... after a commit | survived | data lost | reproduce |",
              "|---|---|---|---|---|---|---|"]
     flag = f" --kills {kills}" if kills != 1 else ""
@@ -374,7 +375,7 @@ def table(outcomes: List[Outcome], seed: int, runs: int, kills: int = 1) -> str:
             continue
         lines.append(f"| {kind} | {len(mine)} | {sum(o.kills for o in mine)} | {sum(o.after_commit for o in mine)} | "
                      f"{sum(o.survived for o in mine)} | {sum(o.lost for o in mine)} {UNITS[kind]} | "
-                     f"`python -m eagle3.faults --kinds {kind} --runs {runs}{flag} --seed {seed}` |")
+                     f"`python -m eagle3.faults --kinds {kind} --runs {len(mine)}{flag} --seed {seed}` |")
     total = sum(o.kills for o in outcomes)
     lines.append(f"| all | {len(outcomes)} | {total} | {sum(o.after_commit for o in outcomes)} | "
                  f"{sum(o.survived for o in outcomes)} | {sum(not o.survived for o in outcomes)} runs | |")
@@ -397,9 +398,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.summarize:
         outcomes = [Outcome(**json.loads(line)) for line in args.summarize.read_text().splitlines() if line.strip()]
-        runs = max((o.index for o in outcomes), default=-1) + 1
         kills = max((len(o.delays) for o in outcomes), default=1)
-        text = table(outcomes, args.seed, runs, kills)
+        text = table(outcomes, args.seed, kills)
     else:
         work = args.work or Path(tempfile.mkdtemp(prefix="eagle3-faults-"))
         results = work / "results.jsonl"
@@ -421,7 +421,7 @@ def main(argv=None) -> int:
                 state = "ok" if o.survived else "FAILED: " + "; ".join(o.problems[:3])
                 print(f"[faults] {kind} #{i} kills at {o.delays}s from_write={o.from_write} landed={o.kills} "
                       f"after_commit={o.after_commit} {state}", flush=True)
-        text = table(outcomes, args.seed, args.runs, args.kills)
+        text = table(outcomes, args.seed, args.kills)
         print(f"[faults] per-run results: {results}")
     print(text)
     if args.out:

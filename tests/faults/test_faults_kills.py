@@ -44,7 +44,7 @@ def test_the_table_counts_kills_and_the_units_lost():
     rows = [Outcome("train", 0, [1.0, 2.0], False, kills=2, after_commit=1, survived=True),
             Outcome("train", 1, [1.0, 9.0], True, kills=1, after_commit=1, survived=False, lost=3)]
     rows = [Outcome(**json.loads(json.dumps(o.__dict__))) for o in rows]      # as results.jsonl holds them
-    text = table(rows, 7, 2, 2)
+    text = table(rows, 7, 2)
     assert "| train | 2 | 3 | 2 | 1 | 3 steps | `python -m eagle3.faults --kinds train --runs 2 --kills 2 --seed 7` |" in text
     assert "| all | 2 | 3 | 2 | 1 | 1 runs | |" in text
 
@@ -59,4 +59,4 @@ def test_killed_job_resumes_to_the_uninterrupted_result(harness, kind):
                            f"--runs 1 --delay {' '.join(map(str, o.delays))}{' --from-write' if o.from_write else ''})" \
                            f": {o.problems}"
     assert sum(o.kills for o in outcomes) >= 1, f"no kill of {kind} found it running: {outcomes}"
-    assert f"| {kind} | {RUNS} |" in table(outcomes, SEED, RUNS, KILLS)
+    assert f"| {kind} | {RUNS} |" in table(outcomes, SEED, KILLS)
