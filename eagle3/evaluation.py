@@ -154,8 +154,37 @@ def check_drafter_fits(export_config: dict, target_info, tensors: Optional[Dict]
     return aux
 
 
+def expected_tensor_names(cfg: dict) -> set:
+    """The tensor names an export with this config.json must hold, no more and no fewer: the
+    drafter's parameters under their engine names (fc_norm.{i} only when the config says fc_norm),
+    without embed_tokens (the engines use the target's), plus the draft vocab map d2t and t2d."""
+    import torch
+
+    from eagle3.model import DrafterShape, Eagle3Drafter
+    with torch.device("meta"):                     # names only: the meta device allocates nothing
+        m = Eagle3Drafter(DrafterShape.from_hf_config(cfg))
+    names = set(m.to_engine_names(dict(m.named_parameters())))
+    return {n for n in names if not n.startswith("embed_tokens.")} | {"d2t", "t2d"}
+
+
+def _check_tensor_names(cfg: dict, tensors: Dict) -> List[str]:
+    """Engines load by name: they skip a tensor they have no module for and leave a module without
+    its tensor at its initial values, so a wrong set would serve a different drafter, silently."""
+    try:
+        want = expected_tensor_names(cfg)
+    except (KeyError, ValueError) as e:            # a config the drafter cannot be built from
+        return [f"config.json does not describe a drafter this project builds: {e}"]
+    missing, extra = sorted(want - set(tensors)), sorted(set(tensors) - want)
+    if not missing and not extra:
+        return []
+    norm = f"fc_norm={bool(cfg.get('fc_norm') or cfg.get('use_aux_norm'))}"
+    return [f"tensors do not match the drafter config.json describes ({norm}): missing {missing or 'none'}, "
+            f"extra {extra or 'none'}; export the run again (python -m eagle3.export RUN_DIR) rather than "
+            "editing the files"]
+
+
 def _check_tensors(cfg: dict, tensors: Dict, V: int, Ht: int, k: int) -> List[str]:
-    errors = []
+    errors = _check_tensor_names(cfg, tensors)
     fc = tensors.get("fc.weight")
     if fc is None:
         errors.append("fc.weight is missing")

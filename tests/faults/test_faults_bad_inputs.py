@@ -3,11 +3,14 @@ skipping loses nothing. docs/reliability.md lists these with the checks elsewher
 
 Run: .venv/bin/python -m pytest tests/faults/test_faults_bad_inputs.py -q
 """
+import dataclasses
 import json
+import re
 from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from eagle3 import checkpoint, export
 from eagle3.evaluation import DrafterMismatch, check_drafter_fits
@@ -21,14 +24,14 @@ TARGET = SimpleNamespace(name="t", vocab_size=300, hidden_size=48, num_layers=8,
                          architectures=["LlamaForCausalLM"])
 
 
-def tiny_export_args():
+def tiny_export_args(fc_norm=False):
     """export_drafter's arguments after out_root, for a small random drafter over target TARGET."""
     torch.manual_seed(0)
-    m = Eagle3Drafter(SHAPE)
+    m = Eagle3Drafter(dataclasses.replace(SHAPE, fc_norm=fc_norm))
     d2t = torch.arange(100) * 2 - torch.arange(100)            # draft j -> target 2j
     t2d = torch.zeros(300, dtype=torch.bool)
     t2d[torch.arange(100) * 2] = True
-    return m.exportable_state_dict(), SHAPE, d2t, t2d, [2, 4, 5], ["LlamaForCausalLM"]
+    return m.exportable_state_dict(), m.shape, d2t, t2d, [2, 4, 5], ["LlamaForCausalLM"]
 
 
 def meta(aux=(1, 2, 3), name="tiny"):
@@ -133,18 +136,82 @@ def test_an_export_killed_mid_write_leaves_nothing_the_next_export_keeps(tmp_pat
     assert sorted(p.name for p in (tmp_path / "export").iterdir()) == ["sglang", "vllm"]
 
 
-def test_export_checks_refuse_a_wrong_draft_vocab_size_and_wrong_engine_ids(tmp_path):
+@pytest.mark.parametrize("change,needle", [
+    ("draft_vocab_size", "d2t has 100 entries, draft_vocab_size is 120"),
+    ("lm_head", "lm_head.weight has 90 rows, d2t has 100"),
+    ("other_engine", "eagle_aux_hidden_state_layer_ids [1, 3, 4] are not the vllm ids of aux layers [2, 4, 5]"),
+    ("other_layers", "eagle_aux_hidden_state_layer_ids [1, 2, 3] are not the vllm ids of aux layers [2, 4, 5]"),
+    ("out_of_range", "aux layers [2, 4, 8] out of range for a 8-layer target (valid: 1..7)"),
+    ("no_ids", "eagle_config.eagle_aux_hidden_state_layer_ids is missing"),
+])
+def test_export_checks_refuse_a_wrong_draft_vocab_size_and_wrong_engine_ids(tmp_path, change, needle):
     written = export.export_drafter(tmp_path / "export", *tiny_export_args())
     tensors, cfg = export.load_export(written["vllm"])
     assert check_drafter_fits(cfg, TARGET, tensors, "vllm") == [2, 4, 5]
-    bad = dict(cfg, draft_vocab_size=120)
-    with pytest.raises(DrafterMismatch, match="d2t has 100 entries, draft_vocab_size is 120"):
-        check_drafter_fits(bad, TARGET, tensors, "vllm")
-    with pytest.raises(DrafterMismatch, match="are not the vllm ids"):
-        check_drafter_fits(export.load_export(written["sglang"])[1], TARGET, tensors, "vllm")
-    no_fc = {k: v for k, v in tensors.items() if k != "fc.weight"}
-    with pytest.raises(DrafterMismatch, match="fc.weight is missing"):
-        check_drafter_fits(cfg, TARGET, no_fc, "vllm")
+    if change == "draft_vocab_size":
+        cfg["draft_vocab_size"] = 120
+    elif change == "lm_head":
+        tensors["lm_head.weight"] = tensors["lm_head.weight"][:90]
+    elif change == "other_engine":                         # SGLang's ids (one lower) handed to vLLM
+        cfg = export.load_export(written["sglang"])[1]
+    elif change == "other_layers":
+        cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [1, 2, 3]
+    elif change == "out_of_range":
+        cfg["eagle3"]["aux_layers"] = [2, 4, 8]
+    elif change == "no_ids":
+        del cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    with pytest.raises(DrafterMismatch, match="does not fit") as e:
+        check_drafter_fits(cfg, TARGET, tensors, "vllm")
+    assert needle in str(e.value)
+
+
+def rewrite(export_dir, drop=(), add=()):
+    """Edit an export's tensors on disk: the file an engine would be handed."""
+    tensors = load_file(str(export_dir / "model.safetensors"))
+    for name in drop:
+        del tensors[name]
+    for name in add:
+        tensors[name] = torch.zeros(4)
+    save_file(tensors, str(export_dir / "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("fc_norm", [False, True])
+def test_an_export_with_a_missing_or_an_extra_tensor_is_refused_naming_both(tmp_path, fc_norm):
+    """Engines load by name: they skip a tensor they have no module for and keep a module whose tensor
+    is absent at its initial values, so either would serve another drafter than the one trained."""
+    state, shape, *rest = tiny_export_args(fc_norm)
+    written = export.export_drafter(tmp_path / "export", state, shape, *rest)
+    for engine, where in written.items():                  # intact exports of both layouts pass
+        assert check_drafter_fits(*_fits_args(where), engine=engine) == [2, 4, 5]
+    sharded = tmp_path / "sharded"
+    export.reshard_export(written["sglang"], sharded, max_shard_bytes=40_000)
+    assert check_drafter_fits(*_fits_args(sharded), engine="sglang") == [2, 4, 5]
+    gone = "fc_norm.1.weight" if fc_norm else "midlayer.mlp.up_proj.weight"
+    for engine, where in written.items():
+        rewrite(where, drop=[gone], add=["midlayer.self_attn.qkv_proj.weight"])
+        with pytest.raises(DrafterMismatch) as e:
+            check_drafter_fits(*_fits_args(where), engine=engine, where=f"drafter {where}")
+        msg = str(e.value)
+        assert f"drafter {where} does not fit" in msg
+        assert f"missing ['{gone}'], extra ['midlayer.self_attn.qkv_proj.weight']" in msg
+        assert "python -m eagle3.export RUN_DIR" in msg
+
+
+def test_fc_norm_weights_must_match_what_the_config_says(tmp_path):
+    """fc_norm weights under a config without fc_norm are extra (an engine would drop them), and a
+    config with fc_norm but no weights is missing them (an engine would keep its norms at ones)."""
+    written = export.export_drafter(tmp_path / "export", *tiny_export_args(fc_norm=True))
+    tensors, cfg = export.load_export(written["vllm"])
+    norms = [f"fc_norm.{i}.weight" for i in range(3)]
+    with pytest.raises(DrafterMismatch, match=r"\(fc_norm=False\): missing none, extra " + re.escape(str(norms))):
+        check_drafter_fits(dict(cfg, fc_norm=False), TARGET, tensors, "vllm")
+    with pytest.raises(DrafterMismatch, match=r"\(fc_norm=True\): missing " + re.escape(str(norms)) + ", extra none"):
+        check_drafter_fits(cfg, TARGET, {k: v for k, v in tensors.items() if k not in norms}, "vllm")
+
+
+def _fits_args(export_dir):
+    tensors, cfg = export.load_export(export_dir)
+    return cfg, TARGET, tensors
 
 
 @pytest.fixture(scope="module")

@@ -1,14 +1,18 @@
-"""The CI subset of `python -m eagle3.faults`: each job kind is killed twice at seeded moments, one
-drawn over the whole job and one counted from its first write, resumed, and compared with its uninterrupted run.
-A few minutes on 2 CPU cores; the large counts go through the command (docs/reliability.md).
+"""The CI subset of `python -m eagle3.faults`: each job kind (the SGLang client and its packer among
+them) runs twice, its delays drawn over the whole job in one run and counted from each attempt's first
+write in the other, is killed twice in each (the second kill lands on a resumed attempt), resumed, and
+compared with its uninterrupted run. A few minutes on 2 CPU cores; the large counts go through the
+command (docs/reliability.md).
 
 Run: .venv/bin/python -m pytest tests/faults/test_faults_kills.py -q
 """
+import json
+
 import pytest
 
-from eagle3.faults import KINDS, Harness, draw_delays, same_dataset, table
+from eagle3.faults import KINDS, Harness, Job, Outcome, draw_delays, table
 
-SEED = 0
+SEED, RUNS, KILLS = 0, 2, 2
 
 
 @pytest.fixture(scope="module")
@@ -17,34 +21,42 @@ def harness(tmp_path_factory):
 
 
 def test_delays_are_seeded_per_kind_so_a_failure_replays():
-    assert draw_delays(3, "train", 4, 10.0, 6.0) == draw_delays(3, "train", 4, 10.0, 6.0)
-    assert draw_delays(3, "train", 4, 10.0, 6.0) != draw_delays(3, "export", 4, 10.0, 6.0)
-    drawn = draw_delays(3, "train", 40, 10.0, 6.0)
-    assert all(not w and 0 <= d <= 10.0 for d, w in drawn[0::2])
-    assert all(w and 0 <= d <= 4.0 for d, w in drawn[1::2])
+    assert draw_delays(3, "train", 4, 2) == draw_delays(3, "train", 4, 2)
+    assert draw_delays(3, "train", 4, 2) != draw_delays(3, "export", 4, 2)
+    drawn = draw_delays(3, "train", 40, 3)
+    assert all(len(d) == 3 and all(0 <= x < 1 for x in d) for d, _ in drawn)
+    assert [w for _, w in drawn] == [False, True] * 20
+
+
+def test_a_kill_after_the_job_ended_shortens_the_span_of_later_runs(tmp_path):
+    """Delays scale with the job's time; when the machine gets faster and a first attempt ends before
+    its kill, later runs draw within that attempt's time, not the slower reference's."""
+    h = Harness(tmp_path)
+    h.typical["export"], h.writing["export"] = 60.0, 50.0
+    assert (h.span("export", False), h.span("export", True)) == (60.0, 10.0)
+    h.job = lambda kind, d: Job(["-c", "pass"], ["-c", "pass"], d, lambda: False, lambda: ([], 0))
+    o = h.one("export", 0, [0.9, 0.5])
+    assert o.kills == 0 and o.delays == [54.0] and o.survived
+    assert h.span("export", False) < 10.0 and h.span("export", True) == 10.0
+
+
+def test_the_table_counts_kills_and_the_units_lost():
+    rows = [Outcome("train", 0, [1.0, 2.0], False, kills=2, after_commit=1, survived=True),
+            Outcome("train", 1, [1.0, 9.0], True, kills=1, after_commit=1, survived=False, lost=3)]
+    rows = [Outcome(**json.loads(json.dumps(o.__dict__))) for o in rows]      # as results.jsonl holds them
+    text = table(rows, 7, 2)
+    assert "| train | 2 | 3 | 2 | 1 | 3 steps | `python -m eagle3.faults --kinds train --runs 2 --kills 2 --seed 7` |" in text
+    assert "| all | 2 | 3 | 2 | 1 | 1 runs | |" in text
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_killed_job_resumes_to_the_uninterrupted_result(harness, kind):
     harness.reference(kind)
-    delays = draw_delays(SEED, kind, 2, harness.typical[kind], harness.writing[kind])
+    delays = draw_delays(SEED, kind, RUNS, KILLS)
     outcomes = [harness.one(kind, i, d, w) for i, (d, w) in enumerate(delays)]
     for o in outcomes:
-        assert o.survived, f"{kind} killed at {o.delay}s (replay: python -m eagle3.faults --kinds {kind} " \
-                           f"--runs 1 --delay {o.delay}{' --from-write' if o.from_write else ''}): {o.problems}"
-    assert f"| {kind} | 2 |" in table(outcomes, SEED, 2)
-
-
-def test_killed_sglang_client_resumes_to_the_uninterrupted_dataset(harness):
-    """The SGLang capture client, its packer and the fake server in one process (tests/faults/sglang_job.py),
-    killed once anywhere and once after its first shard, rerun with the same spool: the dataset equals
-    the uninterrupted run's tensor for tensor."""
-    w = harness.work / "sglang"
-    job = lambda name: ["tests/faults/sglang_job.py", str(w / "target"), str(w / f"spool_{name}"), str(w / name)]
-    typical, writing = harness.run(job("ref"), "sglang_ref.log", lambda: any((w / "ref.partial").glob("shard-*")))
-    for i, (delay, from_write) in enumerate(draw_delays(SEED, "sglang", 2, typical, writing)):
-        name = f"killed{i}"
-        marker = (lambda: any((w / f"{name}.partial").glob("shard-*"))) if from_write else None
-        harness.kill_after(job(name), delay, f"sglang_{name}.log", marker)
-        harness.run(job(name), f"sglang_{name}.log")
-        assert same_dataset(w / "ref", w / name) == [], f"killed at {delay}s (from its first write: {from_write})"
+        assert o.survived, f"{kind} killed at {o.delays}s (replay: python -m eagle3.faults --kinds {kind} " \
+                           f"--runs 1 --delay {' '.join(map(str, o.delays))}{' --from-write' if o.from_write else ''})" \
+                           f": {o.problems}"
+    assert sum(o.kills for o in outcomes) >= 1, f"no kill of {kind} found it running: {outcomes}"
+    assert f"| {kind} | {RUNS} |" in table(outcomes, SEED, KILLS)
