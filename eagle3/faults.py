@@ -50,9 +50,10 @@ import torch
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
-KINDS = ("capture", "sglang", "regenerate", "train", "export")
+KINDS = ("capture", "sglang", "regenerate", "train", "export", "train_zero2")
 UNITS = {"capture": "samples", "sglang": "samples", "regenerate": "conversations", "train": "steps",
-         "export": "tensors"}
+         "export": "tensors", "train_zero2": "steps"}
+GPU_KINDS = ("train_zero2",)           # DeepSpeed runs only under a GPU (accelerate's CPU mode bypasses it)
 SGLANG_JOB = ROOT / "tests" / "faults" / "sglang_job.py"   # the fake server lives with the tests
 # Sizes that keep one job to seconds on two CPU cores while still crossing several shards,
 # regeneration chunks and checkpoints, so a kill can land between any two commits.
@@ -161,9 +162,9 @@ class Harness:
     def regen_args(self) -> List[str]:
         return ["-m", "capture", *REGEN, f"run_dir={self.work / 'hydra'}"]
 
-    def train_args(self, run_dir: Path, resume: bool) -> List[str]:
+    def train_args(self, run_dir: Path, resume: bool, zero2: bool = False) -> List[str]:
         return ["train.py", *TRAIN, f"run_dir={run_dir}", f"data.features_dir={self.work / 'ref_features'}",
-                f"resume={str(resume).lower()}"]
+                f"resume={str(resume).lower()}", *(["dist=zero2"] if zero2 else [])]
 
     def regen_dir(self) -> Path:
         return self.work / "cache" / "regen"
@@ -176,7 +177,10 @@ class Harness:
     def reference(self, kind: str) -> None:
         """Run `kind` uninterrupted once (and what it needs), timing it."""
         w = self.work
-        if kind in ("capture", "train", "export") and "capture" not in self.typical:
+        if kind in GPU_KINDS and not torch.cuda.is_available():
+            raise SystemExit(f"error: --kinds {kind} needs a GPU: {', '.join(GPU_KINDS)} train under DeepSpeed, "
+                             f"which runs only with one (docs/reliability.md)")
+        if kind in ("capture", "train", "export", "train_zero2") and "capture" not in self.typical:
             shutil.rmtree(w / "ref_features", ignore_errors=True)
             self.typical["capture"], self.writing["capture"] = self.run(
                 self.capture_args(w / "ref_features"), "ref_capture.log", w / "ref_features.partial")
@@ -190,6 +194,11 @@ class Harness:
             shutil.rmtree(w / "ref_run", ignore_errors=True)
             self.typical["train"], self.writing["train"] = self.run(
                 self.train_args(w / "ref_run", False), "ref_train.log", w / "ref_run" / "metrics.jsonl")
+        if kind == "train_zero2" and kind not in self.typical:
+            shutil.rmtree(w / "ref_run_zero2", ignore_errors=True)
+            self.typical[kind], self.writing[kind] = self.run(
+                self.train_args(w / "ref_run_zero2", False, zero2=True), "ref_train_zero2.log",
+                w / "ref_run_zero2" / "metrics.jsonl")
         if kind == "export" and "export" not in self.typical:
             shutil.rmtree(w / "ref_export_run", ignore_errors=True)
             shutil.copytree(w / "ref_run", w / "ref_export_run")
@@ -224,6 +233,10 @@ class Harness:
             return Job(self.train_args(d / "run", False), self.train_args(d / "run", True), d / "run" / "metrics.jsonl",
                        lambda: (d / "run" / "checkpoints" / "latest").exists(),
                        lambda: same_training(w / "ref_run", d / "run"))
+        if kind == "train_zero2":       # the same, DeepSpeed ZeRO-2 at world size 1 writing the checkpoints
+            return Job(self.train_args(d / "run", False, True), self.train_args(d / "run", True, True),
+                       d / "run" / "metrics.jsonl", lambda: (d / "run" / "checkpoints" / "latest").exists(),
+                       lambda: same_training(w / "ref_run_zero2", d / "run"))
         if kind == "export":
             run = d / "run"
 
@@ -382,12 +395,18 @@ def table(outcomes: List[Outcome], seed: int, kills: int = 1) -> str:
     return "\n".join(lines) + "\n"
 
 
+def default_kinds() -> List[str]:
+    """Every kind this machine runs: the GPU kinds only where there is a GPU."""
+    return [k for k in KINDS if k not in GPU_KINDS or torch.cuda.is_available()]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m eagle3.faults", description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=int, default=3, help="runs per job kind")
     p.add_argument("--kills", type=int, default=1, help="kills per run, each attempt resuming the last")
     p.add_argument("--seed", type=int, default=0, help="seeds the kill delays, so a failing run replays")
-    p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
+    p.add_argument("--kinds", nargs="+", default=None, choices=KINDS,
+                   help="default: every kind this machine runs (train_zero2 only with a GPU)")
     p.add_argument("--delay", type=float, nargs="+", default=None,
                    help="kill after these many seconds (one per kill) instead of drawing")
     p.add_argument("--from-write", action="store_true", help="count --delay from each attempt's first write")
@@ -396,6 +415,8 @@ def main(argv=None) -> int:
     p.add_argument("--summarize", type=Path, default=None, metavar="RESULTS_JSONL",
                    help="only print the table of an earlier (or still running) harness's results.jsonl")
     args = p.parse_args(argv)
+    if args.kinds is None:
+        args.kinds = default_kinds()
     if args.summarize:
         outcomes = [Outcome(**json.loads(line)) for line in args.summarize.read_text().splitlines() if line.strip()]
         kills = max((len(o.delays) for o in outcomes), default=1)

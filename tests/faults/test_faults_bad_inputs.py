@@ -236,3 +236,16 @@ def test_bad_conversation_lines_are_counted_by_reason(smol, tmp_path):
     assert rep.bad.get("empty") == 1 and rep.bad.get("invalid json") == 1
     assert sum(rep.bad.values()) == 3                        # the non-UTF-8 line is counted, not a crash
     assert len(train) == 3 and max(len(s.input_ids) for s in train) == 64
+
+
+def test_zero2_kills_need_a_gpu_and_say_so(tmp_path, monkeypatch):
+    """train_zero2 kills DeepSpeed runs, which train only under a GPU: without one the harness refuses
+    that kind by name before running anything, and leaves it out of its default kinds."""
+    from eagle3 import faults
+    monkeypatch.setattr(faults.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="--kinds train_zero2 needs a GPU"):
+        faults.main(["--kinds", "train_zero2", "--runs", "1", "--work", str(tmp_path)])
+    assert not (tmp_path / "ref_features").exists()                 # refused before any reference ran
+    assert faults.default_kinds() == ["capture", "sglang", "regenerate", "train", "export"]
+    monkeypatch.setattr(faults.torch.cuda, "is_available", lambda: True)
+    assert faults.default_kinds()[-1] == "train_zero2"
