@@ -175,7 +175,9 @@ def feature_figures(features: Path) -> dict:
     return {"path": str(features), "samples": t["num_samples"], "tokens": t["num_tokens"],
             "loss_tokens": t["num_loss_tokens"],
             "loss_token_fraction": t["num_loss_tokens"] / t["num_tokens"], "shard_bytes": on_disk,
-            "bytes_per_token": on_disk / t["num_tokens"], "aux_dtype": manifest["dtypes"]["aux"]}
+            "bytes_per_token": on_disk / t["num_tokens"],
+            "format": manifest.get("feature_format", {}).get("name", "full"),
+            "aux_dtype": manifest["dtypes"].get("aux", manifest["dtypes"].get("aux_codes"))}
 
 
 def train_figures(run_dir: Path, features: Path) -> dict:
@@ -254,7 +256,7 @@ def table(s: dict) -> str:
             ("tokens per step (16 sequences of mixed length)" if not s["tiny"] else "tokens per step",
              f"{tr['tokens_per_step']:,.0f}"),
             ("rows counted by the loss, train.py (bench: ~all)", f"{tr['counted_fraction']:.1%}"),
-            ("feature bytes on disk per token", f"{f['bytes_per_token']:,.0f} ({f['aux_dtype']} aux)"),
+            ("feature bytes on disk per token", f"{f['bytes_per_token']:,.0f} ({f['format']} format)"),
             ("feature dataset", f"{f['samples']} samples, {f['tokens']:,} tokens, {f['shard_bytes'] / 1e9:.2f} GB"),
             ("export params (sglang)", f"{s['export']['sglang']['params'] / 1e6:.1f}M")]
     rows += [(f"wall time: {k}", f"{v:.0f} s") for k, v in s["seconds"].items()]

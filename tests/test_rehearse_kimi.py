@@ -37,7 +37,7 @@ def test_tiny_rehearsal_reports_every_figure(rehearsal):
     assert s["tiny"] and "+experiment=kimi_k25" in s["overrides"] and "capture.backend=hf" in s["overrides"]
     for k in ("tokens", "loss_tokens", "shard_bytes", "bytes_per_token", "loss_token_fraction"):
         assert number(s["features"][k]) and s["features"][k] > 0, k
-    assert s["features"]["aux_dtype"] == "float8_e4m3fn"          # the recipe's storage
+    assert s["features"]["format"] == "compact"                   # the recipe's storage
     # bytes per token: the shards on disk over the tokens the manifest counts
     manifest = json.loads((Path(s["features"]["path"]) / "manifest.json").read_text())
     assert s["features"]["bytes_per_token"] == pytest.approx(s["features"]["shard_bytes"] / manifest["totals"]["num_tokens"])

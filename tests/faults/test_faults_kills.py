@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from eagle3.faults import KINDS, Harness, Job, Outcome, draw_delays, table
+from eagle3.faults import Harness, Job, Outcome, default_kinds, draw_delays, table
 
 SEED, RUNS, KILLS = 0, 2, 2
 
@@ -49,14 +49,21 @@ def test_the_table_counts_kills_and_the_units_lost():
     assert "| all | 2 | 3 | 2 | 1 | 1 runs | |" in text
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", default_kinds())
 def test_killed_job_resumes_to_the_uninterrupted_result(harness, kind):
     harness.reference(kind)
     delays = draw_delays(SEED, kind, RUNS, KILLS)
     outcomes = [harness.one(kind, i, d, w) for i, (d, w) in enumerate(delays)]
+    # a reference timed on a busier machine can put every kill past the job's end; each miss shortens
+    # the span (the harness learns the job's time), so a few more runs find it running
+    for extra in range(3):
+        if sum(o.kills for o in outcomes):
+            break
+        d, w = draw_delays(SEED + 1 + extra, kind, 1, KILLS)[0]
+        outcomes.append(harness.one(kind, len(outcomes), d, w))
     for o in outcomes:
         assert o.survived, f"{kind} killed at {o.delays}s (replay: python -m eagle3.faults --kinds {kind} " \
                            f"--runs 1 --delay {' '.join(map(str, o.delays))}{' --from-write' if o.from_write else ''})" \
                            f": {o.problems}"
     assert sum(o.kills for o in outcomes) >= 1, f"no kill of {kind} found it running: {outcomes}"
-    assert f"| {kind} | {RUNS} |" in table(outcomes, SEED, KILLS)
+    assert f"| {kind} | {len(outcomes)} |" in table(outcomes, SEED, KILLS)
