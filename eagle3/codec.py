@@ -96,6 +96,17 @@ def compact_for(fmt: Optional[FeatureFormat], samples: Sequence, heldout_ids: Se
     return Compact(vocab, min(fmt.teacher_topk, vocab.size), lm_head)
 
 
+_ST = {torch.uint8: "U8", torch.bfloat16: "BF16", torch.int16: "I16", torch.int32: "I32",
+       torch.float16: "F16", torch.float32: "F32"}
+
+
+def column_dtypes(params: Dict) -> Dict[str, torch.dtype]:
+    """name -> storage dtype of the compact columns (params: Compact.params(), a manifest's feature_format)."""
+    return {"aux_codes": torch.uint8, "aux_scale": torch.bfloat16,
+            "teacher_ids": getattr(torch, params["teacher"]["ids"]), "teacher_p": torch.float16,
+            "teacher_mass": torch.float32, "teacher_top": torch.int32}
+
+
 def column_specs(num_aux: int, hidden: int, params: Dict) -> Dict[str, tuple]:
     """name -> (safetensors dtype, per-token shape) of the compact columns."""
     kH = num_aux * hidden
@@ -103,9 +114,9 @@ def column_specs(num_aux: int, hidden: int, params: Dict) -> Dict[str, tuple]:
         raise ValueError(f"the compact format needs the hidden size ({hidden}) divisible by its group size "
                          f"{GROUP_SIZE}")
     topk = params["teacher"]["topk"]
-    return {"aux_codes": ("U8", [kH // 2]), "aux_scale": ("BF16", [kH // GROUP_SIZE]),
-            "teacher_ids": ("I16" if params["teacher"]["ids"] == "int16" else "I32", [topk]),
-            "teacher_p": ("F16", [topk]), "teacher_mass": ("F32", []), "teacher_top": ("I32", [])}
+    shapes = {"aux_codes": [kH // 2], "aux_scale": [kH // GROUP_SIZE], "teacher_ids": [topk], "teacher_p": [topk],
+              "teacher_mass": [], "teacher_top": []}
+    return {name: (_ST[dt], shapes[name]) for name, dt in column_dtypes(params).items()}
 
 
 # ----------------------------------------------------------------------------- aux
@@ -156,7 +167,7 @@ def encode_teacher(final: torch.Tensor, lm_head: torch.Tensor, draft_ids: torch.
         r = rows[i:i + chunk_rows][None]
         p, top = target_teacher(r, lm_head, draft_ids)
         pk, ik = p[0].topk(k, -1)
-        parts["teacher_ids"].append(ik.to(torch.int16 if draft_ids.numel() <= 1 << 15 else torch.int32))
+        parts["teacher_ids"].append(ik.to(getattr(torch, ids_dtype(draft_ids.numel()))))
         parts["teacher_p"].append(pk.to(torch.float16))
         parts["teacher_mass"].append(draft_mass(r, lm_head, draft_ids)[0].float())
         parts["teacher_top"].append(top[0].to(torch.int32))

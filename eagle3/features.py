@@ -261,11 +261,7 @@ class FeatureWriter:
             if tuple(parts[name].shape) != shape:
                 raise ValueError(f"sample {sample_id!r}: {name} has shape {tuple(parts[name].shape)}, "
                                  f"expected {shape}")
-        for name in ("aux", "final"):                 # a NaN here would surface steps later as a NaN loss
-            bad = int((~torch.isfinite(parts[name])).sum())
-            if bad:
-                raise FeatureDatasetError(f"sample {sample_id!r}: {name} holds {bad} non-finite values (NaN/Inf): "
-                                          f"the target overflowed its dtype on this sample")
+        _check_finite(sample_id, parts, ("aux", "final"))   # a NaN here would surface steps later as a NaN loss
         arrays = {"input_ids": np_bytes(parts["input_ids"], torch.int32),
                   "loss_mask": np_bytes(parts["loss_mask"], torch.uint8),
                   "final": np_bytes(final, self.torch_dtype)}
@@ -284,20 +280,11 @@ class FeatureWriter:
             if tuple(parts[name].shape) != shape:
                 raise ValueError(f"sample {sample_id!r}: {name} has shape {tuple(parts[name].shape)}, "
                                  f"expected {shape}")
-        for name in ("aux_scale", "teacher_p", "teacher_mass"):   # what a NaN in aux or final turns into
-            bad = int((~torch.isfinite(parts[name].float())).sum())
-            if bad:
-                raise FeatureDatasetError(f"sample {sample_id!r}: {name} holds {bad} non-finite values (NaN/Inf): "
-                                          f"the target overflowed its dtype on this sample")
-        ids_dt = torch.int16 if specs["teacher_ids"][0] == "I16" else torch.int32
+        # what a NaN in aux or final turns into
+        _check_finite(sample_id, parts, ("aux_scale", "teacher_p", "teacher_mass"))
         arrays = {"input_ids": np_bytes(parts["input_ids"], torch.int32),
                   "loss_mask": np_bytes(parts["loss_mask"], torch.uint8),
-                  "aux_codes": np_bytes(parts["aux_codes"], torch.uint8),
-                  "aux_scale": np_bytes(parts["aux_scale"], torch.bfloat16),
-                  "teacher_ids": np_bytes(parts["teacher_ids"], ids_dt),
-                  "teacher_p": np_bytes(parts["teacher_p"], torch.float16),
-                  "teacher_mass": np_bytes(parts["teacher_mass"], torch.float32),
-                  "teacher_top": np_bytes(parts["teacher_top"], torch.int32)}
+                  **{c: np_bytes(parts[c], dt) for c, dt in codec.column_dtypes(self.fmt).items()}}
         self._write(s, j, arrays)
 
     def _write(self, s: int, j: int, arrays: Dict[str, np.ndarray]) -> None:
@@ -331,8 +318,7 @@ class FeatureWriter:
         nbytes = sum(sh["num_bytes"] for sh in shards)
         manifest = dict(self.meta)
         if self.fmt is not None:
-            dtypes = {"aux_codes": "uint8", "aux_scale": "bfloat16", "teacher_ids": self.fmt["teacher"]["ids"],
-                      "teacher_p": "float16", "teacher_mass": "float32", "teacher_top": "int32"}
+            dtypes = {c: str(dt).replace("torch.", "") for c, dt in codec.column_dtypes(self.fmt).items()}
             manifest["feature_format"] = dict(self.fmt, draft_vocab_file=VOCAB)
         else:
             dtypes = {"aux": self.aux_dtype, "final": self.dtype,
@@ -351,6 +337,14 @@ class FeatureWriter:
         os.rename(self.partial, self.path)
         fsync_dir(self.path.parent)                   # make the rename durable
         return self.path
+
+
+def _check_finite(sample_id: str, parts: Dict[str, torch.Tensor], names: Sequence[str]) -> None:
+    for name in names:
+        bad = int((~torch.isfinite(parts[name])).sum())
+        if bad:
+            raise FeatureDatasetError(f"sample {sample_id!r}: {name} holds {bad} non-finite values (NaN/Inf): "
+                                      f"the target overflowed its dtype on this sample")
 
 
 # ----------------------------------------------------------------------------- reader
