@@ -33,23 +33,21 @@ register()
 Generate = Callable[[List[int]], Tuple[List[int], float, dict]]
 
 
-def decode_prompts(prompts: List[ev.Prompt], tokenizer, generate: Generate, label: str) -> List[ev.DecodeStats]:
-    """Every turn of every prompt; later turns follow the model's own previous answer, rendered as
-    regeneration renders it (cut at the end of turn, decoded with its special tokens, a thinking
-    model's reasoning split off by chat.assistant_turn), so a follow-up prompt holds the tokens
-    training saw for the same conversation."""
+def decode_prompts(prompts: List[ev.Prompt], tokenizer, generate: Generate, label: str,
+                   stop: List[int]) -> List[ev.DecodeStats]:
+    """Every turn of every prompt; later turns follow the model's own previous answer, cut at the
+    stop ids the decoding used and rendered as regeneration renders it (chat.answer_turn), so a
+    follow-up prompt holds the tokens training saw for the same conversation."""
     from tqdm import tqdm
 
     from capture.regenerate import cut_at_stop
-    stop = chat.stop_ids(tokenizer)
     out = []
     for p in tqdm(prompts, desc=f"[eval] {label}", unit="prompt", file=sys.stderr, dynamic_ncols=True):
         st = ev.DecodeStats(p.id, [], 0.0, category=p.category)
         messages = list(p.messages)
         for turn, followup in enumerate([None] + list(p.followups)):
             if followup is not None:
-                answer, _ = cut_at_stop(st.output_ids[-1], stop)
-                messages += [chat.assistant_turn(tokenizer, tokenizer.decode(answer, skip_special_tokens=False)),
+                messages += [chat.answer_turn(tokenizer, cut_at_stop(st.output_ids[-1], stop)[0]),
                              {"role": "user", "content": followup}]
             ids, secs, c = generate(chat.render_prompt(tokenizer, messages))
             st.output_ids.append(list(ids))
@@ -85,7 +83,7 @@ def run_hf(e, target_dir, dtype_name, drafters, prompt_sets, tokenizer, stop, ch
     dtype = _torch_dtype(dtype_name, device)
     model = load_target_model(target_dir, dtype, device)
     base = {name: decode_prompts(ps, tokenizer, lambda ids: (*greedy_decode(model, ids, e.max_new_tokens, stop), {}),
-                                 f"baseline / {name}") for name, ps in prompt_sets.items()} if e.baseline else {}
+                                 f"baseline / {name}", stop) for name, ps in prompt_sets.items()} if e.baseline else {}
     spec = {}
     for d in drafters:
         chain = load_hf_drafter(d["export"], model, device, dtype)
@@ -95,7 +93,8 @@ def run_hf(e, target_dir, dtype_name, drafters, prompt_sets, tokenizer, stop, ch
                 return toks, secs, {"drafts": c.num_drafts, "draft_tokens": c.num_draft_tokens,
                                     "accepted": c.num_accepted, "per_pos": c.accepted_per_pos}
             for name, ps in prompt_sets.items():
-                spec[(d["name"], name, k)] = decode_prompts(ps, tokenizer, gen, f"{d['name']} / {name} / chain {k}")
+                spec[(d["name"], name, k)] = decode_prompts(ps, tokenizer, gen, f"{d['name']} / {name} / chain {k}",
+                                                            stop)
     versions = {"torch": torch.__version__, "transformers": transformers.__version__,
                 "device": device, "dtype": str(dtype).replace("torch.", "")}
     return base, spec, versions
@@ -126,7 +125,7 @@ def run_vllm(e, target_dir, max_model_len, drafters, prompt_sets, tokenizer, sto
             secs = time.perf_counter() - t0
             c = ev.vllm_delta(before, ev.vllm_counters(llm.get_metrics()))
             return list(res[0].outputs[0].token_ids), secs, c
-        return {name: decode_prompts(ps, tokenizer, gen, name) for name, ps in prompt_sets.items()}
+        return {name: decode_prompts(ps, tokenizer, gen, name, stop) for name, ps in prompt_sets.items()}
 
     def with_llm(drafter=None, **kw):
         llm = LLM(**common, **kw)
@@ -213,7 +212,7 @@ def decode_sglang(url, prompt_sets, tokenizer, stop, e) -> Dict[str, List[ev.Dec
         c = ev.sglang_counters(resp, e.num_steps)
         c["engine_tokens"] = c["completion_tokens"]
         return c["output_ids"], secs, c
-    return {name: decode_prompts(ps, tokenizer, gen, name) for name, ps in prompt_sets.items()}
+    return {name: decode_prompts(ps, tokenizer, gen, name, stop) for name, ps in prompt_sets.items()}
 
 
 # --------------------------------------------------------------------------------------------

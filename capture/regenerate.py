@@ -217,7 +217,7 @@ def regenerate_conversations(conversations: Sequence[Tuple[str, list]], tok, gen
             nxt = []
             for i, (ids, finished) in zip(keep, answers):
                 v = active[i]
-                v.done.append(chat.assistant_turn(tok, tok.decode(ids, skip_special_tokens=False)))
+                v.done.append(chat.answer_turn(tok, ids))
                 v.new_tokens.append(len(ids))
                 v.finished.append(finished)
                 if v.next_prompt():

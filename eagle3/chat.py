@@ -101,6 +101,12 @@ def assistant_turn(tokenizer, answer: str) -> dict:
     return {"role": "assistant", "content": content, REASONING: reasoning}
 
 
+def answer_turn(tokenizer, ids: Sequence[int]) -> dict:
+    """The assistant message of a generated answer's ids (cut before its end-of-turn token): decoded
+    with its special tokens, a thinking model's reasoning split off by assistant_turn."""
+    return assistant_turn(tokenizer, tokenizer.decode(list(ids), skip_special_tokens=False))
+
+
 def stop_ids(tokenizer, model_dir: Optional[Path] = None) -> List[int]:
     """The tokens that end a reply, the end-of-turn token first (generation pads with it).
 

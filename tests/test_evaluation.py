@@ -70,11 +70,10 @@ def test_two_turn_decode_follows_the_models_own_answer(monkeypatch):
     tok = SimpleNamespace(decode=lambda ids, skip_special_tokens: f"ans{len(ids)}")
     seen = []
     monkeypatch.setattr(chat, "render_prompt", lambda t, messages: seen.append([dict(m) for m in messages]) or [1, 2, 3])
-    monkeypatch.setattr(chat, "stop_ids", lambda t: [9])
     monkeypatch.setattr(chat, "assistant_turn", lambda t, answer: {"role": "assistant", "content": answer})
     st = decode_prompts([ev.Prompt("p", [{"role": "user", "content": "q1"}], ["q2"])], tok,
                         lambda ids: ([5] * (4 + len(seen)) + [9], 0.5, {"drafts": 2, "accepted": 1, "per_pos": [1, 0]}),
-                        "test")
+                        "test", [9])
     assert seen[1] == [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "ans5"},
                        {"role": "user", "content": "q2"}]
     assert st[0].output_ids == [[5] * 5 + [9], [5] * 6 + [9]] and st[0].num_drafts == 4

@@ -56,7 +56,7 @@ def test_the_followup_prompt_is_the_one_regeneration_sends(smol, tmp_path, think
                else ["Blue.", "An apple."])
     ev_engine, regen_engine = Engine(tok, answers), Engine(tok, answers)
     [stats] = decode_prompts([Prompt("p1", [{"role": "user", "content": FIRST}], [SECOND])], tok,
-                             ev_engine.evaluation, "test")
+                             ev_engine.evaluation, "test", chat.stop_ids(tok))
     out = regenerate_conversations([("p1", [{"role": "user", "content": FIRST}, {"role": "assistant", "content": "x"},
                                             {"role": "user", "content": SECOND}])],
                                    tok, regen_engine.regeneration, tmp_path / "regen.jsonl", 4096, progress=False)
