@@ -151,7 +151,8 @@ def bench_packing(model, samples, aux_layers, sdt, args, t_cap):
 
     def packed():
         for b in rows:
-            aux, final, event = to_host(*packed_forward(model, samples, b, aux_layers, args.device), sdt)
+            aux, final = packed_forward(model, samples, b, aux_layers, args.device)
+            host, event = to_host({"aux": aux, "final": final}, sdt)
             if event is None:
                 aux.to(sdt), final.to(sdt)
             else:
@@ -205,7 +206,7 @@ def main():
     def capture():
         for ids, att in inputs:
             aux, final = capture_hidden(model, ids, att, aux_layers)
-            aux, final, event = to_host(aux, final, sdt)
+            host, event = to_host({"aux": aux, "final": final}, sdt)
             if event is None:
                 aux.to(sdt), final.to(sdt)
             else:

@@ -82,7 +82,8 @@ def run_capture(model: nn.Module, samples: Sequence[Any], out_path, *, aux_layer
                 idx = [shard[j] for j in local]
                 input_ids, att = pad_right([samples[i].input_ids for i in idx], device)
                 aux, final = capture_hidden(model, input_ids, att, aux_layers)
-                host = to_host(aux, final, sdt) if compact is None else to_host_encoded(codec.encode(compact, aux, final))
+                host = to_host({"aux": aux, "final": final}, sdt) if compact is None else \
+                    to_host(codec.encode(compact, aux, final))
                 if writing is not None:
                     writing.result()
                 writing = pool.submit(_write_batch, writer, samples, idx, host)
@@ -107,48 +108,37 @@ def compact_of(fmt: Optional[FeatureFormat], model: nn.Module, samples: Sequence
                              model.get_output_embeddings().weight.detach())
 
 
-def to_host_encoded(enc: Dict[str, torch.Tensor]):
-    """A compact batch's columns, host-copied like to_host: (None, None, event or None, columns)."""
-    if next(iter(enc.values())).device.type != "cuda":
-        return None, None, None, enc
+def to_host(cols: Dict[str, torch.Tensor], cast: Optional[torch.dtype] = None):
+    """Start the device->host copy of a batch's columns: ({name: tensor}, event or None).
+
+    On CUDA: cast on the GPU when `cast` is given (half the bytes for bf16), copy into pinned memory
+    without blocking, and record an event the writer waits on. On CPU the columns are returned as
+    they are (the writer casts, off the main thread).
+    """
+    if next(iter(cols.values())).device.type != "cuda":
+        return cols, None
     host = {}
-    for name, t in enc.items():
+    for name, t in cols.items():
+        t = t if cast is None else t.to(cast)
         host[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         host[name].copy_(t, non_blocking=True)
     event = torch.cuda.Event()
     event.record()
-    return None, None, event, host
-
-
-def to_host(aux: torch.Tensor, final: torch.Tensor, sdt: torch.dtype):
-    """Start the device->host copy of a batch: (aux, final, event or None).
-
-    On CUDA: cast on the GPU (half the bytes for bf16), copy into pinned memory without blocking,
-    and record an event the writer waits on. On CPU the writer casts, off the main thread.
-    """
-    if aux.device.type != "cuda":
-        return aux, final, None
-    out = []
-    for t in (aux, final):
-        h = torch.empty(t.shape, dtype=sdt, pin_memory=True)
-        h.copy_(t.to(sdt), non_blocking=True)
-        out.append(h)
-    event = torch.cuda.Event()
-    event.record()
-    return out[0], out[1], event
+    return host, event
 
 
 def _write_batch(writer: FeatureWriter, samples: Sequence[Any], idx: List[int], host) -> None:
-    aux, final, event, *enc = host
+    """host: to_host's (columns, event): aux and final, or the compact columns codec.encode made."""
+    cols, event = host
     if event is not None:
         event.synchronize()
     for b, i in enumerate(idx):
-        n = len(samples[i].input_ids)
         s = samples[i]
-        if enc:
-            writer.add(str(s.id), s.input_ids, s.loss_mask, None, None, {k: v[b, :n] for k, v in enc[0].items()})
+        n = len(s.input_ids)
+        if "final" in cols:
+            writer.add(str(s.id), s.input_ids, s.loss_mask, cols["aux"][b, :n], cols["final"][b, :n])
         else:
-            writer.add(str(s.id), s.input_ids, s.loss_mask, aux[b, :n], final[b, :n])
+            writer.add(str(s.id), s.input_ids, s.loss_mask, None, None, {k: v[b, :n] for k, v in cols.items()})
 
 
 def padded_tokens(lengths: Sequence[int], batches: Sequence[Sequence[int]]) -> int:
