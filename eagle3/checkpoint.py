@@ -9,14 +9,13 @@ killed save or a full disk leaves the previous checkpoint as `latest`.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
-from eagle3.durable import disk_full, fsync_dir, fsync_tree, is_disk_full, tree_bytes
+from eagle3.durable import disk_full, fsync_tree, is_disk_full, tree_bytes, write_text
 
 
 def save(acc, run_dir: Path, step: int, vocab_path: Path) -> Path:
@@ -52,19 +51,9 @@ def save(acc, run_dir: Path, step: int, vocab_path: Path) -> Path:
             shutil.rmtree(old)
         else:
             tmp.rename(final)
-        _atomic_text(ckpt_root / "latest", final.name + "\n")
-        fsync_dir(ckpt_root)
+        write_text(ckpt_root / "latest", final.name + "\n")
     acc.wait_for_everyone()
     return final
-
-
-def _atomic_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
 
 
 def latest(run_dir: Path) -> Path | None:
@@ -123,7 +112,7 @@ def trim_metrics(path: Path, step: int) -> None:
     if not path.exists():
         return
     keep = [line for line in path.read_text().splitlines() if line.strip() and _step(line) < step]
-    _atomic_text(path, "".join(line + "\n" for line in keep))   # a kill here must not lose the rows
+    write_text(path, "".join(line + "\n" for line in keep))   # a kill here must not lose the rows
 
 
 def _step(line: str) -> float:

@@ -21,6 +21,20 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def write_text(path: Path, text: str) -> None:
+    """Replace the file at `path` with `text` atomically: a reader (on any machine of a shared
+    filesystem) sees the old content or the new. The temporary name carries the writer's pid, so
+    two processes writing one file never share it."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
 def fsync_tree(path: Path) -> None:
     """fsync every file under `path`, then every directory (deepest first), so a rename of `path`
     publishes only bytes that are on disk."""

@@ -47,7 +47,7 @@ from eagle3.codec import Compact, StoredTeacher
 from eagle3.shards import (AUX_DTYPES, FLOAT_DTYPES, FORMAT, FORMAT_VERSION, FP8, FeatureDatasetError,
                            OpenShard, check_sha256, check_shard, dequantize_fp8, file_sha256, np_bytes,
                            quantize_fp8, shard_name, tensor_views)
-from eagle3.durable import fsync_dir
+from eagle3.durable import fsync_dir, write_text
 from eagle3.vocab import DraftVocab
 
 AUX_MEANING = ("residual stream entering decoder layer i = transformers output_hidden_states[i] "
@@ -145,12 +145,7 @@ def check_compatible(manifest: Dict[str, Any], expected: Dict[str, Any], where: 
 
 
 def _atomic_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_text(path, json.dumps(obj, indent=1, sort_keys=True))
 
 
 # ----------------------------------------------------------------------------- writer

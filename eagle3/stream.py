@@ -30,7 +30,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 
 from eagle3.config import CaptureConfig, DataConfig, TrainConfig
-from eagle3.durable import fsync_dir
+from eagle3.durable import write_text
 from eagle3.features import FeatureDataset, FeatureDatasetError, collate, plan_shards
 from eagle3.shards import AUX_DTYPES, FLOAT_DTYPES, header_bytes, layout
 
@@ -230,13 +230,7 @@ def plan_stream(train: Sequence[Any], held: Sequence[Any], data: DataConfig, cap
 
 def write_json(path: Path, obj: Any) -> None:
     """Atomically: a reader on any machine sees the old content or the new."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    write_text(path, json.dumps(obj, sort_keys=True))
 
 
 def read_json(path: Path) -> Optional[dict]:
