@@ -19,7 +19,8 @@ its run directory WORK/runs/NAME:
     abl_*          ablations: one technique each against abl_base, on identical data and steps (the
                    first 4,096 conversations, two epochs of batch 16): the loss (lk, lk_alpha, tv,
                    jsd; kl has soft_ce's gradient), EAGLE-3.1's norms, TTT step weights and length,
-                   draft vocab 8,192, the head warm-started from the target's
+                   draft vocab 8,192, the head warm-started from the target's, four epochs
+    fmt_*          the ablation recipe trained offline from full and from compact features (capture.format)
     eval_*         evaluate.py per group (--eval-backend, default vllm; the docs' tau are vLLM's);
                    eval_abl_* judge one ablation each on all 80 MT-Bench first turns at chains 3
                    and 7 without a baseline decode (tau only), so they run side by side
@@ -90,7 +91,11 @@ LONG = {
         "long_b64_e5": ["train.batch_size=64", "optim.lr=2e-3", "train.epochs=5"],
         "long_b64_e10_g32": ["train.batch_size=64", "optim.lr=2e-3", "train.epochs=10", "train.length_groups=32"],
         "long_b32_e10_g32": ["train.batch_size=32", "optim.lr=1.5e-3", "train.epochs=10",   # the committed drafter
-                             "train.length_groups=32"]}
+                             "train.length_groups=32"],
+        # the committed recipe with the ablations' winners: the LK loss and EAGLE-3.1's norms
+        "long_lk_norms_b32_e10_g32": ["train.batch_size=32", "optim.lr=1.5e-3", "train.epochs=10",
+                                      "train.length_groups=32", "train.loss=lk", "drafter.fc_norm=true",
+                                      "drafter.norm_output=true"]}
 
 # ablations: the first ABL_CONVERSATIONS conversations of the answer file, two epochs of batch 16
 ABL_CONVERSATIONS = 4096
@@ -104,7 +109,11 @@ ABLATE = {"abl_base": [],
           "abl_decay1": ["train.step_decay=1.0"],
           "abl_ttt4": ["train.ttt_steps=4"],
           "abl_v8192": ["drafter.draft_vocab_size=8192"],
-          "abl_warm": ["drafter.head_from_target=true"]}
+          "abl_warm": ["drafter.head_from_target=true"],
+          "abl_e4": ["train.epochs=4"]}
+# the feature format: the ablation recipe trained offline from a full and from a compact feature
+# dataset of the same samples (same seed and steps)
+FORMATS = {"fmt_full": "full", "fmt_compact": "compact"}
 
 
 def build_jobs(work: Path, dry: bool, gpus: int, regen_minutes: float = 0.0, regen_chunk: int = 4096,
@@ -152,10 +161,13 @@ def build_jobs(work: Path, dry: bool, gpus: int, regen_minutes: float = 0.0, reg
     jobs += [Job(n, train("smollm2_peer", n, *o), deps=["regen_peer"]) for n, o in PEER.items()]
     jobs += [Job(n, scale_train(n, k, *o), deps=["regen_all"]) for n, (k, o) in SCALE.items()]
     jobs += [Job(n, scale_train(n, 0, *o), deps=["regen_all"]) for n, o in LONG.items()]
+    # the format pair first: each captures its features before it trains
+    jobs += [Job(n, ablation(n, "train.mode=offline", f"capture.format={f}",
+                             f"data.features_dir={work / 'features' / n}"), deps=["regen_all"]) for n, f in FORMATS.items()]
     jobs += [Job(n, ablation(n, *o), deps=["regen_all"]) for n, o in ABLATE.items()]
     jobs += [Job(f"eval_{n}", evaluate("smollm2_scale", f"eval_{n}", [n], "mt_bench", lambda: [],
                                        "eval.num_prompts=0", "eval.chains=[3,7]", "eval.baseline=false"),
-                 deps=[n]) for n in ABLATE]
+                 deps=[n]) for n in [*ABLATE, *FORMATS]]
     jobs += [Job("eval_peer", evaluate("smollm2_peer", "eval_peer", list(PEER), "mt_bench"), deps=list(PEER)),
              Job("eval_scale", evaluate("smollm2_scale", "eval_scale", list(SCALE), "mt_bench"), deps=list(SCALE)),
              Job("eval_long", evaluate("smollm2_scale", "eval_long", list(LONG), "mt_bench,mt_bench_2turn,sharegpt_heldout",
