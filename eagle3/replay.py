@@ -38,7 +38,6 @@ class GreedyRun:
     prompt: List[int]
     tokens: List[int]          # the greedy output (its stop token included), then `past` more greedy tokens
     num_out: int               # the output's length
-    seconds: float             # the output's decode, the tokens past it not included
 
     @property
     def output(self) -> List[int]:
@@ -48,9 +47,9 @@ class GreedyRun:
 @torch.no_grad()
 def greedy_run(model, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int],
                past: int) -> GreedyRun:
-    out, secs = greedy_decode(model, prompt_ids, max_new_tokens, stop_ids)
+    out, _ = greedy_decode(model, prompt_ids, max_new_tokens, stop_ids)
     more, _ = greedy_decode(model, list(prompt_ids) + out, past, []) if past else ([], 0.0)
-    return GreedyRun(list(prompt_ids), out + more, len(out), secs)
+    return GreedyRun(list(prompt_ids), out + more, len(out))
 
 
 def walk(accept: List[int], prompt_len: int, num_out: int, k: int) -> SpecCounts:
