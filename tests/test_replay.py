@@ -76,11 +76,11 @@ def setup():
     tok = load_tokenizer(tdir)
     mt_bench = [chat.render_prompt(tok, p.messages) for p in ev.load_prompts("mt_bench", 2)]
     drafter, d2t, t2d = trained_drafter(model, prompts + mt_bench)   # the evaluate test's first turns too
-    return tdir, model, Eagle3ChainDrafter(drafter, d2t), t2d, prompts[:6]
+    return model, Eagle3ChainDrafter(drafter, d2t), t2d, prompts[:6]
 
 
 def test_replay_equals_spec_decode_counts_and_output(setup):
-    _, model, chain, _, prompts = setup
+    model, chain, _, prompts = setup
     stop = [greedy_decode(model, prompts[0], MAX_NEW, [])[0][8]]      # ends prompt 0's answer early
     got = rp.replay(model, chain, AUX, prompts, CHAINS, MAX_NEW, stop)
     ends, accepted = set(), {k: 0 for k in CHAINS}
@@ -99,7 +99,7 @@ def test_replay_equals_spec_decode_counts_and_output(setup):
 
 def test_an_off_by_one_walk_is_caught(setup, monkeypatch):
     """The equality above fails when the walk reads the chain one row late."""
-    _, model, chain, _, prompts = setup
+    model, chain, _, prompts = setup
     right = rp.walk
     monkeypatch.setattr(rp, "walk", lambda accept, L, n, k: right(accept[1:], L, n, k))
     got = rp.replay(model, chain, AUX, prompts, [3], MAX_NEW, [])
@@ -120,8 +120,7 @@ def test_walk_counts_the_last_verify_past_the_budget():
 
 def test_evaluate_replay_equals_hf_backend(setup, tmp_path):
     from eagle3.export import export_drafter
-    from eagle3.targets import target_info
-    _, model, chain, t2d, _ = setup
+    model, chain, t2d, _ = setup
     run = tmp_path / "run_a"
     export_drafter(run / "export", chain.model.exportable_state_dict(), chain.model.shape, chain.d2t, t2d, AUX,
                    ["LlamaForCausalLM"], engines=("vllm",))
