@@ -1,6 +1,6 @@
 """Drafters -> acceptance length, tok/s and speedup, measured by a real decoder.
 
-    python evaluate.py +experiment=NAME eval.drafters=[runs/NAME] [eval.backend=hf|vllm|sglang]
+    python evaluate.py +experiment=NAME eval.drafters=[runs/NAME] [eval.backend=hf|vllm|sglang|replay]
         [eval.prompts=[mt_bench,mt_bench_2turn,sharegpt_heldout,path.jsonl]] [eval.num_steps=3]
         [eval.chains=[3,7]] [eval.reference=NAME] ...
 
@@ -10,6 +10,10 @@ acceptance counters per prompt (eagle3.evaluation.DecodeStats). eagle3.judging t
 tau with bootstrap intervals, tau per MT-Bench category and paired comparisons against the
 reference drafter. Writes report.json, report.md, per_prompt.jsonl and the figures (tau.png,
 acceptance.png, categories.png, paired.png) to eval.out_dir.
+
+`replay` gives the hf backend's counters without running its loop (eagle3/replay.py): one greedy
+decode per prompt turn, shared by the baseline, every drafter and every chain length, then one
+drafter forward per batch of turns. It times nothing: its tok/s and speedup are absent.
 """
 from __future__ import annotations
 
@@ -90,14 +94,54 @@ def run_hf(e, target_dir, dtype_name, drafters, prompt_sets, tokenizer, stop, ch
         for k in chains:
             def gen(ids, chain=chain, aux=d["aux_layers"], k=k):
                 toks, c, secs = spec_decode(model, chain, ids, aux, k, e.max_new_tokens, stop)
-                return toks, secs, {"drafts": c.num_drafts, "draft_tokens": c.num_draft_tokens,
-                                    "accepted": c.num_accepted, "per_pos": c.accepted_per_pos}
+                return toks, secs, _counters(c)
             for name, ps in prompt_sets.items():
                 spec[(d["name"], name, k)] = decode_prompts(ps, tokenizer, gen, f"{d['name']} / {name} / chain {k}",
                                                             stop)
     versions = {"torch": torch.__version__, "transformers": transformers.__version__,
                 "device": device, "dtype": str(dtype).replace("torch.", "")}
     return base, spec, versions
+
+
+def _counters(c) -> dict:
+    """specdec.SpecCounts -> decode_prompts' counters."""
+    return {"drafts": c.num_drafts, "draft_tokens": c.num_draft_tokens, "accepted": c.num_accepted,
+            "per_pos": c.accepted_per_pos}
+
+
+def run_replay(e, target_dir, dtype_name, drafters, prompt_sets, tokenizer, stop, chains) -> tuple:
+    """The hf backend's counts by replay: every turn decoded greedily once, `max(chains)` tokens past
+    its output (later turns follow that output, whatever the drafter), then per drafter one forward of
+    its longest chain over all turns. Seconds are 0: nothing is timed, so tok/s and speedup are None."""
+    import torch
+    import transformers
+    from eagle3.replay import greedy_run, replay_counts
+    from eagle3.specdec import load_hf_drafter
+    from eagle3.targets import load_target_model
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = _torch_dtype(dtype_name, device)
+    model = load_target_model(target_dir, dtype, device)
+    runs = {}                                      # prompt ids -> greedy_run
+
+    def greedy(ids):
+        key = tuple(ids)
+        if key not in runs:
+            runs[key] = greedy_run(model, ids, e.max_new_tokens, stop, max(chains))
+        return runs[key].output, 0.0, {}
+    base = {name: decode_prompts(ps, tokenizer, greedy, f"greedy / {name}", stop) for name, ps in prompt_sets.items()}
+    spec = {}
+    for d in drafters:
+        chain = load_hf_drafter(d["export"], model, device, dtype)
+        counts = dict(zip(runs, replay_counts(model, chain, d["aux_layers"], list(runs.values()), chains)))
+        for k in chains:
+            def gen(ids, counts=counts, k=k):
+                return runs[tuple(ids)].output, 0.0, _counters(counts[tuple(ids)][k])
+            for name, ps in prompt_sets.items():
+                spec[(d["name"], name, k)] = decode_prompts(ps, tokenizer, gen, f"{d['name']} / {name} / chain {k}",
+                                                            stop)
+    versions = {"torch": torch.__version__, "transformers": transformers.__version__,
+                "device": device, "dtype": str(dtype).replace("torch.", "")}
+    return base if e.baseline else {}, spec, versions
 
 
 def run_vllm(e, target_dir, max_model_len, drafters, prompt_sets, tokenizer, stop, chains) -> tuple:
@@ -244,7 +288,7 @@ def drafter_name(path: str) -> str:
 def prepare_drafters(paths: List[str], backend: str, info) -> List[dict]:
     """Find each drafter's export dir for the backend and refuse misfits before anything starts."""
     from eagle3.export import find_export, load_export
-    engine = "sglang" if backend == "sglang" else "vllm"     # hf reads vLLM's ids: as given
+    engine = "sglang" if backend == "sglang" else "vllm"     # hf and replay read vLLM's ids: as given
     out, names = [], set()
     for path in paths:
         export = find_export(Path(path), engine)
@@ -263,8 +307,8 @@ def evaluate(c: Config) -> Dict[str, Path]:
     e = c.eval
     if not e.drafters:
         raise ValueError("eval.drafters is empty: pass export dirs or run dirs, e.g. eval.drafters=[runs/smollm2]")
-    if e.backend not in ("hf", "vllm", "sglang"):
-        raise ValueError(f"eval.backend {e.backend!r}: expected hf | vllm | sglang")
+    if e.backend not in ("hf", "vllm", "sglang", "replay"):
+        raise ValueError(f"eval.backend {e.backend!r}: expected hf | vllm | sglang | replay")
     if e.temperature != 0.0 or (e.backend != "sglang" and e.topk != 1):
         raise ValueError("only greedy chain drafting is evaluated (temperature 0; topk 1 for hf and vllm): "
                          f"got temperature {e.temperature}, topk {e.topk}")
@@ -290,6 +334,8 @@ def evaluate(c: Config) -> Dict[str, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     if e.backend == "hf":
         base, spec, versions = run_hf(e, target_dir, t.dtype, drafters, prompt_sets, tokenizer, stop, chains)
+    elif e.backend == "replay":
+        base, spec, versions = run_replay(e, target_dir, t.dtype, drafters, prompt_sets, tokenizer, stop, chains)
     elif e.backend == "vllm":
         longest = max(len(chat.render_prompt(tokenizer, p.messages)) + sum(len(tokenizer(f)["input_ids"]) + 32
                       for f in p.followups) for ps in prompt_sets.values() for p in ps)
@@ -322,6 +368,7 @@ def evaluate(c: Config) -> Dict[str, Path]:
                 "chains": chains, "topk": e.topk, "num_draft_tokens": e.num_draft_tokens or e.num_steps + 1,
                 "temperature": e.temperature, "batch_size": 1, "stop_token_ids": stop,
                 "reference": reference or drafters[0]["name"],
+                "timed": e.backend != "replay",
                 "bootstrap": {"resamples": judging.RESAMPLES, "seed": judging.SEED, "level": judging.LEVEL,
                               "unit": "prompt"}}
     if e.draft_step_ms > 0 and e.baseline_tok_s:

@@ -2,10 +2,12 @@
 
 For each prompt of an evaluation set: the exported drafter drafts for the target through
 eagle3.specdec.spec_decode (our reference engine: greedy chain drafting, the engines' counting) and
-that gives the served tau; then the target's answer is captured the way training captures it
-(eagle3.hidden.capture_batch) and read by the same drafter through eagle3.loss.ttt_loss, whose chain
-acceptance (`accepted` / `chained`) gives the training-side estimate 1 + sum_s accept[s]. Both are
-printed per draft position, on the same prompts and the same answer tokens.
+that gives the served tau; eagle3.replay gives it again from one greedy decode and one drafter
+forward (it must equal the served figure); then the target's answer is captured the way training
+captures it (eagle3.hidden.capture_batch) and read by the same drafter through eagle3.loss.ttt_loss,
+whose chain acceptance (`accepted` / `chained`) gives the training-side estimate
+1 + sum_s accept[s]. All three are printed per draft position, on the same prompts and the same
+answer tokens.
 
     python bench/predicted_tau.py --drafter runs/smollm2_scale --prompts mt_bench --num-prompts 20
     python bench/predicted_tau.py --drafter results/smollm2-drafter --prompts sharegpt_heldout
@@ -28,6 +30,7 @@ from eagle3.evaluation import load_prompts  # noqa: E402
 from eagle3.hidden import capture_batch  # noqa: E402
 from eagle3.export import find_export, load_export  # noqa: E402
 from eagle3.loss import ttt_loss  # noqa: E402
+from eagle3.replay import replay  # noqa: E402
 from eagle3.specdec import load_hf_drafter, spec_decode  # noqa: E402
 from eagle3.targets import (default_aux_layers, load_head, load_target_model, load_tokenizer,  # noqa: E402
                             resolve_target)
@@ -63,9 +66,11 @@ def main() -> None:
     chained = 0
     t0 = time.time()
     prompts = load_prompts(args.prompts, args.num_prompts, heldout_fraction=args.heldout_fraction)
+    outputs = []
     for n, p in enumerate(prompts, 1):
         ids = render_prompt(tok, p.messages)
         out, counts, _ = spec_decode(model, drafter, ids, aux_layers, S, args.max_new_tokens, stop)
+        outputs.append(out)
         served += torch.tensor(counts.accepted_per_pos, dtype=torch.float32)
         verifies += counts.num_drafts
         seq = torch.tensor([ids + out])
@@ -77,11 +82,19 @@ def main() -> None:
         accepted += o.accepted.float()
         chained += int(o.chained)
         print(f"[{n}/{len(prompts)}] {len(out)} tokens, {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
+    replayed = replay(model, drafter, aux_layers, [render_prompt(tok, p.messages) for p in prompts], [S],
+                      args.max_new_tokens, stop)
+    differ = sum(out != r_out for out, (r_out, _) in zip(outputs, replayed))
+    r_verifies = sum(c[S].num_drafts for _, c in replayed)
     per_served = (served / max(verifies, 1)).tolist()
+    per_replay = [sum(c[S].accepted_per_pos[j] for _, c in replayed) / max(r_verifies, 1) for j in range(S)]
     per_est = (accepted / max(chained, 1)).tolist()
     print(f"drafter {edir}, {len(prompts)} prompts of {args.prompts}, chain {S}, {args.max_new_tokens} new tokens")
     print(f"served (spec_decode):          tau {1 + sum(per_served):.3f}  per position "
           + " / ".join(f"{a:.3f}" for a in per_served) + f"  ({verifies} verifies)")
+    print(f"replay (greedy + one forward): tau {1 + sum(per_replay):.3f}  per position "
+          + " / ".join(f"{a:.3f}" for a in per_replay) + f"  ({r_verifies} verifies"
+          + (f"; {differ} outputs differ from spec_decode's)" if differ else ")"))
     print(f"estimate (ttt_loss chain acc): tau {1 + sum(per_est):.3f}  per position "
           + " / ".join(f"{a:.3f}" for a in per_est) + f"  ({chained} chain starts)")
 

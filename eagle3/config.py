@@ -157,7 +157,7 @@ class CaptureConfig:
 
 @dataclass
 class EvalConfig:
-    backend: str = "hf"                       # hf | vllm | sglang
+    backend: str = "hf"                       # hf | vllm | sglang | replay (hf's counts, not timed)
     drafters: List[str] = field(default_factory=list)   # export dirs or run dirs
     prompts: List[str] = field(default_factory=lambda: ["mt_bench"])  # mt_bench | mt_bench_2turn | sharegpt_heldout | a .jsonl path
     # First N prompts of each set; 0 = all: the 80 MT-Bench questions (10 per category), but every

@@ -178,32 +178,14 @@ def ttt_loss(drafter: Eagle3Drafter, input_ids: torch.Tensor, loss_mask: torch.T
     if loss in NEEDS_MASS:
         mass = (stored[0] if stored else draft_mass(final, target_lm_head, draft_ids)).reshape(B * T)
     t2d = vocab.t2d.to(dev)
-    # RoPE: step s at row t is at position t+s (see the module doc): angles once for all steps
-    cos, sin = drafter.rope_angles(torch.arange(T - 1 + ttt_steps, device=dev).expand(B, -1))
-
-    # step s at row t reads token x_{t+1+s} (0 past the end, never counted): rows s..s+T-1 of
-    # ext; the embedding's part of q/k/v is projected once for all steps.
-    ext = torch.cat([input_ids[:, 1:], input_ids.new_zeros(B, ttt_steps)], dim=1)  # [B, T-1+S]
     w = drafter.weights()
-    e_qkv = drafter.embed_qkv(ext, w)
     p_rows = p.reshape(B * T, -1)
     top_rows = top.reshape(B * T)
 
     # Rows to count are data, and shapes follow them: how many there are reaches the host without
     # a wait (CountedRows), long after the GPU found them, as all layer steps are queued first.
     counted = CountedRows(loss_mask, real, top, t2d, ttt_steps)
-    h = drafter.project(aux)
-    keys, extra, hs = None, ([], []), []
-    for s in range(ttt_steps):
-        h_out, k, v = drafter.layer(e_qkv, h, (cos[:, s:s + T], sin[:, s:s + T]), w, keys,
-                                    extra if s else None, start=s)
-        h = drafter.carry(h_out)                        # what step s+1 reads
-        if s == 0:
-            keys = (k, v)                               # step-0 keys: seen causally by every step
-        else:
-            extra[0].append(k)                          # later steps' keys: each row its own
-            extra[1].append(v)
-        hs.append(h_out)
+    hs, h = _unroll(drafter, input_ids, aux, ttt_steps, w)
 
     # The heads of all steps at once: each op runs once over every step's counted rows (step-major)
     # instead of once per step, so the host queues a few large kernels, not a dozen small ones
@@ -237,6 +219,57 @@ def ttt_loss(drafter: Eagle3Drafter, input_ids: torch.Tensor, loss_mask: torch.T
         accepted = (hits.cumprod(0).bool() & alive).sum((1, 2))
     return TTTOutput(loss=total, per_step_loss=per_step.detach().float(), correct=correct,
                      count=counted.count, accepted=accepted, chained=alive.sum())
+
+
+def _unroll(drafter: Eagle3Drafter, input_ids: torch.Tensor, aux: torch.Tensor, ttt_steps: int, w):
+    """The drafter unrolled for ttt_steps steps over every row (the module doc) -> (h_out of each
+    step, [S] x [B, T, H]; the hidden a further step would read)."""
+    B, T = input_ids.shape
+    dev = input_ids.device
+    # RoPE: step s at row t is at position t+s (see the module doc): angles once for all steps
+    cos, sin = drafter.rope_angles(torch.arange(T - 1 + ttt_steps, device=dev).expand(B, -1))
+    # step s at row t reads token x_{t+1+s} (0 past the end, never counted): rows s..s+T-1 of
+    # ext; the embedding's part of q/k/v is projected once for all steps.
+    ext = torch.cat([input_ids[:, 1:], input_ids.new_zeros(B, ttt_steps)], dim=1)  # [B, T-1+S]
+    e_qkv = drafter.embed_qkv(ext, w)
+    h = drafter.project(aux)
+    keys, extra, hs = None, ([], []), []
+    for s in range(ttt_steps):
+        h_out, k, v = drafter.layer(e_qkv, h, (cos[:, s:s + T], sin[:, s:s + T]), w, keys,
+                                    extra if s else None, start=s)
+        h = drafter.carry(h_out)                        # what step s+1 reads
+        if s == 0:
+            keys = (k, v)                               # step-0 keys: seen causally by every step
+        else:
+            extra[0].append(k)                          # later steps' keys: each row its own
+            extra[1].append(v)
+        hs.append(h_out)
+    return hs, h
+
+
+@torch.no_grad()
+def ttt_hits(drafter: Eagle3Drafter, input_ids: torch.Tensor, aux: torch.Tensor, top: torch.Tensor,
+             draft_ids: torch.Tensor, ttt_steps: int, rows: Optional[torch.Tensor] = None,
+             chunk_rows: int = 4096) -> torch.Tensor:
+    """[S, B, T] bool: does step s at row t, unrolled as ttt_loss unrolls it, draft top[b, t+1+s]
+    (its argmax mapped to a target id by draft_ids [Vd]; False past the end and outside `rows`
+    [B, T] bool, default all). top [B, T]: the target's argmax per row, or any token the drafts
+    are judged by (a negative id is never hit). The drafter's logits, a chunk of rows at a time."""
+    B, T = input_ids.shape
+    dev = input_ids.device
+    w = drafter.weights()
+    hs, _ = _unroll(drafter, input_ids, aux, ttt_steps, w)
+    hits = torch.zeros(ttt_steps, B, T, dtype=torch.bool, device=dev)
+    want = torch.ones(B, T, dtype=torch.bool, device=dev) if rows is None else rows.bool()
+    draft_ids = draft_ids.to(dev)
+    b, t = want.nonzero(as_tuple=True)
+    for s, h_out in enumerate(hs):
+        judged = torch.cat([top[:, 1 + s:], top.new_full((B, min(1 + s, T)), -1)], dim=1)[:, :T]  # [B, T]
+        for i in range(0, b.numel(), chunk_rows):
+            bi, ti = b[i:i + chunk_rows], t[i:i + chunk_rows]
+            drafted = draft_ids[drafter.logits(h_out[bi, ti], w).argmax(-1)]
+            hits[s, bi, ti] = drafted == judged[bi, ti]
+    return hits
 
 
 class CountedRows:

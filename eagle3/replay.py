@@ -1,0 +1,103 @@
+"""What greedy chain drafting (eagle3/specdec.py `spec_decode`) serves, without running it: the
+target's greedy decode once, then one teacher-forced drafter forward over every row at once.
+
+    runs = [greedy_run(model, ids, max_new_tokens, stop, past=max(chains)) for ids in prompts]
+    counts = replay_counts(model, drafter, aux_layers, runs, chains)     # [{k: SpecCounts}] per run
+    out = replay(model, drafter, aux_layers, prompts, chains, max_new_tokens, stop)  # both at once
+
+Why it is exact: an accepted draft equals the target's greedy token, so along an accepted chain the
+drafter reads what training-time test feeds it (eagle3/loss.py: step s at row t reads x_{t+1+s}
+and its own step s-1 hidden, sees step-0 keys causally and later steps' keys of its own row). So
+accept(r), the leading steps of the chain started at row r whose draft equals the greedy token
+x_{r+2+s}, comes for every row from one `ttt_hits` forward, and the decode is a walk: the first
+token x_L comes from the prefill; the chain starts at row L-1; each verify counts a = accept(r)
+(counts.add(a, k)), emits a+1 tokens, and the next chain starts a+1 rows further, until the
+output reaches a stop id or max_new_tokens. The drafts of the last verify are judged against
+tokens past that end, so the greedy decode runs `past` = k tokens further, stop ids ignored.
+
+The greedy decode is specdec.greedy_decode, one prompt at a time with a KV cache: padded batches
+would change the target's arithmetic and could flip a near-tie argmax, and the greedy output is
+the one thing every count depends on. The hidden states (eagle3.hidden.capture_batch) and the
+drafter forward run padded batches of prompts. Counts match spec_decode's up to such near ties:
+its verify reads k+1 rows per forward, a third way to add the same numbers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+
+from eagle3.hidden import capture_batch, pad_right
+from eagle3.loss import ttt_hits
+from eagle3.specdec import Eagle3ChainDrafter, SpecCounts, greedy_decode
+
+
+@dataclass
+class GreedyRun:
+    prompt: List[int]
+    tokens: List[int]          # the greedy output (its stop token included), then `past` more greedy tokens
+    num_out: int               # the output's length
+
+    @property
+    def output(self) -> List[int]:
+        return self.tokens[:self.num_out]
+
+
+@torch.no_grad()
+def greedy_run(model, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int],
+               past: int) -> GreedyRun:
+    out, _ = greedy_decode(model, prompt_ids, max_new_tokens, stop_ids)
+    more, _ = greedy_decode(model, list(prompt_ids) + out, past, []) if past else ([], 0.0)
+    return GreedyRun(list(prompt_ids), out + more, len(out))
+
+
+def walk(accept: List[int], prompt_len: int, num_out: int, k: int) -> SpecCounts:
+    """spec_decode's verify loop on known accept lengths: accept[r] for the chain started at row r
+    (row r reads token r+1). The output ends after num_out tokens (stop or budget) whatever the
+    last verify accepted; that verify's drafts still count, as the engines count them."""
+    counts = SpecCounts()
+    n = 1                                 # tokens out: the prefill's x_L
+    while n < num_out:
+        a = accept[prompt_len - 2 + n]    # the last emitted token x_{L-1+n} is read by row L-2+n
+        counts.add(a, k)
+        n += a + 1
+    return counts
+
+
+@torch.no_grad()
+def replay_counts(model, drafter: Eagle3ChainDrafter, aux_layers: Sequence[int], runs: Sequence[GreedyRun],
+                  num_steps: Sequence[int], batch_size: int = 8) -> List[Dict[int, SpecCounts]]:
+    """{k: SpecCounts} per run, for each chain length k in num_steps, from one forward of
+    max(num_steps) steps per batch of runs; each run's tokens must reach max(num_steps) past its
+    output."""
+    S = max(num_steps)
+    short = [i for i, r in enumerate(runs) if len(r.tokens) < r.num_out + S]
+    if short:
+        raise ValueError(f"runs {short}: the greedy decode must run {S} tokens past the output")
+    device = next(model.parameters()).device
+    draft_ids = drafter.d2t + torch.arange(drafter.d2t.numel(), device=drafter.d2t.device)
+    out = []
+    for i in range(0, len(runs), batch_size):
+        batch = runs[i:i + batch_size]
+        seqs = [r.prompt + r.tokens for r in batch]
+        ids, att = pad_right(seqs, device)
+        bt = capture_batch(model, ids, att, att, aux_layers, [str(j) for j in range(len(batch))])
+        # the token each row's drafts are judged by: the greedy next token (-1: none)
+        nxt = torch.cat([ids[:, 1:], ids.new_full((len(batch), 1), -1)], dim=1).masked_fill(~att.bool(), -1)
+        nxt[torch.arange(len(batch)), att.sum(1) - 1] = -1
+        pos = torch.arange(ids.shape[1], device=device)[None]
+        rows = (pos >= torch.tensor([len(r.prompt) - 1 for r in batch], device=device)[:, None]) & att.bool()
+        hits = ttt_hits(drafter.model, bt.input_ids, bt.aux, nxt, draft_ids, S, rows)   # [S, B, T]
+        lead = hits.int().cumprod(0).cpu()                        # [S, B, T]: steps 0..s all hit
+        for b, r in enumerate(batch):
+            out.append({k: walk(lead[:k, b].sum(0).tolist(), len(r.prompt), r.num_out, k) for k in num_steps})
+    return out
+
+
+def replay(model, drafter: Eagle3ChainDrafter, aux_layers: Sequence[int], prompts: Sequence[Sequence[int]],
+           num_steps: Sequence[int], max_new_tokens: int,
+           stop_ids: Sequence[int]) -> List[Tuple[List[int], Dict[int, SpecCounts]]]:
+    """(greedy output, {k: SpecCounts}) per prompt: what spec_decode returns for each chain length."""
+    runs = [greedy_run(model, p, max_new_tokens, stop_ids, max(num_steps)) for p in prompts]
+    return [(r.output, c) for r, c in zip(runs, replay_counts(model, drafter, aux_layers, runs, num_steps))]
