@@ -321,7 +321,8 @@ def stream_data(c, target, is_main: bool) -> Data:
 
     tok, train, held = load_samples(target.dir, c.target, c.data, c.capture)
     try:
-        st = plan_stream(train, held, c.data, c.capture, c.train, len(target.aux_layers), target.info.hidden_size)
+        st = plan_stream(train, held, c.data, c.capture, c.train, len(target.aux_layers), target.info.hidden_size,
+                         target.info.vocab_size)
         if is_main:
             open_stream(st.root, st.identity)
     except StreamError as e:

@@ -42,7 +42,7 @@ def stream_features(target_dir: Path, aux_layers: Sequence[int], target: TargetC
         raise SystemExit("error: train.mode=stream with capture.backend=sglang captures through a running capture "
                          "server: start one and pass capture.server_url (docs/streaming.md)")
     try:
-        st = plan_stream(train, held, data, capture, train_cfg, len(aux_layers), info.hidden_size)
+        st = plan_stream(train, held, data, capture, train_cfg, len(aux_layers), info.hidden_size, info.vocab_size)
         open_stream(st.root, st.identity)
     except StreamError as e:
         raise SystemExit(f"error: {e}") from None

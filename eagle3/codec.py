@@ -65,6 +65,14 @@ class Compact:
                             "draft_vocab_sha256": vocab_sha256(self.vocab)}}
 
 
+def size_params(vocab_size: int, draft_vocab_size: int, topk: int) -> Dict:
+    """The part of Compact.params() that a compact shard's size depends on, known before the capture's
+    draft vocab is counted: what a stream reserves for each shard it has yet to write."""
+    vd = min(draft_vocab_size, vocab_size)
+    return {"aux": {"code": CODE, "group_size": GROUP_SIZE, "scale": "bfloat16"},
+            "teacher": {"topk": min(topk, vd), "ids": ids_dtype(vd), "draft_vocab_size": vd}}
+
+
 def ids_dtype(draft_vocab_size: int) -> str:
     return "int16" if draft_vocab_size <= 1 << 15 else "int32"
 

@@ -29,6 +29,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from eagle3 import codec
 from eagle3.config import CaptureConfig, DataConfig, TrainConfig
 from eagle3.durable import write_text
 from eagle3.features import FeatureDataset, FeatureDatasetError, collate, plan_shards
@@ -131,20 +132,22 @@ class Schedule:
 
 # ----------------------------------------------------------------------------- sizes and budget
 
-def shard_bytes(lengths: Sequence[int], num_aux: int, hidden: int, dtype: str, aux_dtype: str = "") -> int:
-    """Bytes of the shard file that holds these samples (eagle3/shards.py's layout)."""
+def shard_bytes(lengths: Sequence[int], num_aux: int, hidden: int, dtype: str, aux_dtype: str = "",
+                compact: Optional[Dict[str, Any]] = None) -> int:
+    """Bytes of the shard file that holds these samples (eagle3/shards.py's layout); compact: the
+    compact format's size_params (eagle3/codec.py), None for the full format."""
     header, body = layout(len(lengths), int(sum(lengths)), num_aux, hidden, FLOAT_DTYPES[dtype][1],
-                          AUX_DTYPES[aux_dtype or dtype][1])
+                          AUX_DTYPES[aux_dtype or dtype][1], compact)
     return len(header_bytes(header)) + body
 
 
 def unit_reserve(lengths: Sequence[int], ids: Sequence[str], meta_bytes: int, num_aux: int, hidden: int,
-                 dtype: str, aux_dtype: str = "") -> int:
+                 dtype: str, aux_dtype: str = "", compact: Optional[Dict[str, Any]] = None) -> int:
     """The most a unit (or heldout/) holds on disk while it is written: the shard, and progress.json
     and manifest.json side by side at the commit, each with the sample ids and the capture's
     settings; meta_bytes: the JSON of those settings' variable part (they list the held-out ids)."""
     names = len(json.dumps(list(map(str, ids)), indent=1)) + meta_bytes
-    return shard_bytes(lengths, num_aux, hidden, dtype, aux_dtype) + 3 * names + 64 * 1024
+    return shard_bytes(lengths, num_aux, hidden, dtype, aux_dtype, compact) + 3 * names + 64 * 1024
 
 
 def check_budget(sched: Schedule, reserve: Sequence[int], heldout_reserve: int, budget: int) -> None:
@@ -201,7 +204,7 @@ class Stream:
 
 
 def plan_stream(train: Sequence[Any], held: Sequence[Any], data: DataConfig, capture: CaptureConfig,
-                t: TrainConfig, num_aux: int, hidden: int) -> Stream:
+                t: TrainConfig, num_aux: int, hidden: int, vocab_size: int) -> Stream:
     """The stream of a run over `train`/`held` samples (objects with .id, .input_ids), its budget
     checked (StreamError says what to change)."""
     if data.disk_budget_gb <= 0:
@@ -213,7 +216,9 @@ def plan_stream(train: Sequence[Any], held: Sequence[Any], data: DataConfig, cap
     # evaluation reads the first eval_batches global batches of the held-out samples (train.heldout_eval)
     heldout = list(held[:t.eval_batches * t.batch_size])
     meta_bytes = len(json.dumps([str(x.id) for x in held], indent=1))
-    size = dict(num_aux=num_aux, hidden=hidden, dtype=capture.dtype, aux_dtype=capture.aux_dtype)
+    compact = (codec.size_params(vocab_size, capture.draft_vocab_size, capture.teacher_topk)
+               if capture.format == codec.NAME else None)
+    size = dict(num_aux=num_aux, hidden=hidden, dtype=capture.dtype, aux_dtype=capture.aux_dtype, compact=compact)
     reserve = [unit_reserve([lengths[i] for i in idx], [str(train[i].id) for i in idx], meta_bytes, **size)
                for idx in sched.plan]
     heldout_reserve = unit_reserve([len(x.input_ids) for x in heldout], [str(x.id) for x in heldout], meta_bytes,
@@ -221,8 +226,9 @@ def plan_stream(train: Sequence[Any], held: Sequence[Any], data: DataConfig, cap
     budget = int(data.disk_budget_gb * GB)
     check_budget(sched, reserve, heldout_reserve, budget)
     identity = sched.identity([x.id for x in train], [x.id for x in heldout],
-                              {"dtype": capture.dtype, "aux_dtype": capture.aux_dtype, "num_aux": num_aux,
-                               "hidden_size": hidden})
+                              {"format": capture.format, "dtype": capture.dtype, "aux_dtype": capture.aux_dtype,
+                               "num_aux": num_aux, "hidden_size": hidden,
+                               **({"teacher": compact["teacher"]} if compact else {})})
     return Stream(root, sched, heldout, reserve, heldout_reserve, budget, identity)
 
 

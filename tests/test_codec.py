@@ -329,3 +329,26 @@ def test_parts_captured_apart_share_the_draft_vocab_of_all_training_samples(tmp_
             shas.append((tag, FeatureDataset(out).manifest["feature_format"]["teacher"]["draft_vocab_sha256"]))
     assert [s for t, s in shas if t == "all"] == [want, want]
     assert len({s for t, s in shas if t == "own"} | {want}) == 3      # each part alone: a vocab of its own
+
+
+
+def test_a_compact_stream_reserves_what_a_compact_shard_takes(tmp_path):
+    """train.mode=stream sizes each shard before its draft vocab is counted (codec.size_params): the
+    reserve of a compact stream is the written shard's size, far below the full format's."""
+    from eagle3.stream import shard_bytes
+    samples = fake(6)
+    ds = FeatureDataset(write(tmp_path / "ds", samples, compact_fmt(samples)))
+    lengths = {s.id: len(s.input_ids) for s in samples}
+    params = codec.size_params(V, VD, TOPK)
+    compact = full = 0
+    for rec in ds.manifest["shards"]:
+        path = tmp_path / "ds" / rec["file"]
+        lens = [lengths[i] for i in rec["sample_ids"]]
+        size = path.stat().st_size
+        assert shard_bytes(lens, K, H, "bfloat16", compact=params) == size, path.name
+        # the data by its own formula: bytes_per_token a token, an int64 offset a sample and one more
+        header = 8 + int.from_bytes(path.read_bytes()[:8], "little")
+        assert size - header == sum(lens) * codec.bytes_per_token(H, K, VD, TOPK) + 8 * (len(lens) + 1)
+        compact += size
+        full += shard_bytes(lens, K, H, "bfloat16")
+    assert compact < full / 2
