@@ -79,12 +79,15 @@ def batch_indices(step: int, n: int, batch_size: int, seed: int,
 def main(cfg) -> None:
     c = config_schema.to_config(cfg)
     check_loss(c.train.loss)
+    if c.train.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")   # before cuBLAS starts: its deterministic mode
+        torch.use_deterministic_algorithms(True)
     run_dir = Path(c.run_dir)
     acc = make_accelerator(c)
     device, rank, world, is_main = acc.device, acc.process_index, acc.num_processes, acc.is_main_process
     use_ds = acc.distributed_type == DistributedType.DEEPSPEED
     compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    fused.set_enabled(c.train.compile)
+    fused.set_enabled(False if c.train.deterministic else c.train.compile)
     torch.manual_seed(c.train.seed)
     if is_main and not c.resume:
         set_aside_previous_run(run_dir)

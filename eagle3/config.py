@@ -122,6 +122,9 @@ class TrainConfig:
     seed: int = 0
     device: str = "auto"                      # auto: cuda when available
     compile: Optional[bool] = None            # fused elementwise kernels (eagle3/fused.py); null: on a GPU only
+    # GPU runs repeat bit for bit (deterministic kernels, compile off; slower): a GPU's atomic adds and
+    # autotuned kernels otherwise make two runs of the same steps differ in their last bits
+    deterministic: bool = False
     wandb: bool = True
 
 

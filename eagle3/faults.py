@@ -61,7 +61,7 @@ CAPTURE = ["+experiment=tiny", "capture.shard_tokens=2048", "capture.batch_token
 REGEN = ["+experiment=tiny", "capture.regenerate_only=true", "capture.regenerate=true", "data.num_samples=8",
          "capture.regen_max_new_tokens=16", "capture.regen_chunk=2", "capture.regen_batch_size=2"]
 TRAIN = ["+experiment=tiny", "train.steps=8", "train.save_every=2", "train.log_every=1", "train.eval_every=4"]
-VOLATILE = ("tok_s", "eta_s")          # metrics that measure the machine, not the run
+VOLATILE = ("tok_s", "eta_s", "max_mem_gib")   # metrics that measure the machine or the process, not the run
 
 
 @dataclass
@@ -164,7 +164,7 @@ class Harness:
 
     def train_args(self, run_dir: Path, resume: bool, zero2: bool = False) -> List[str]:
         return ["train.py", *TRAIN, f"run_dir={run_dir}", f"data.features_dir={self.work / 'ref_features'}",
-                f"resume={str(resume).lower()}", *(["dist=zero2"] if zero2 else [])]
+                f"resume={str(resume).lower()}", *(["dist=zero2", "train.deterministic=true"] if zero2 else [])]
 
     def regen_dir(self) -> Path:
         return self.work / "cache" / "regen"
