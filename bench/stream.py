@@ -55,7 +55,7 @@ def main() -> None:
     ap.add_argument("--out", default="runs/bench_stream")
     args, overrides = ap.parse_known_args()
     out = Path(args.out).resolve()
-    exp = [f"+experiment={args.experiment}", *overrides]
+    exp = [f"+experiment={args.experiment}", "train.wandb=false", *overrides]
     features = out / "features"
 
     capture_s = run(["-m", "capture", *exp, f"data.features_dir={features}", f"run_dir={out}/capture"], "capture")
