@@ -13,7 +13,8 @@ with two stand-ins and the overrides printed before each command:
 The stand-in has 5 layers, so the recipe's aux layers [3, 31, 59] (of 61) become [2, 3, 4]. One GPU
 trains the recipe's global batch of 16 in micro-batches of 2, what each of 8 GPUs runs.
 
-Then it times bench/train_speed.py at the drafter's shape with the same tokens per step and loss,
+Then it times bench/train_speed.py at the drafter's shape and at the shape each GPU runs: one
+micro-batch of the recipe (its sequences at the mean length of train.py's batches), the same loss,
 and writes WORK/rehearsal.json and a table: tokens/s of both and their ratio, peak memory of both,
 bytes on disk per token of the feature dataset, and each stage's wall time. The SGLang loader check
 of the export needs SGLang's environment; the last line prints its command (--check-sglang).
@@ -248,7 +249,7 @@ def table(s: dict) -> str:
     mem = lambda v: "n/a" if v is None else f"{v:.2f} GiB"   # noqa: E731
     rows = [("train.py tokens/s, steady (after step %d)" % tr["steady_from_step"], f"{tr['tok_s_steady']:,.0f}"),
             ("train.py tokens/s, reported (whole loop)", f"{tr['tok_s_reported']:,.0f}"),
-            ("bench/train_speed.py tokens/s, same shape", f"{b['tok_s']:,.0f}"),
+            ("bench/train_speed.py tokens/s, one micro-batch's shape", f"{b['tok_s']:,.0f}"),
             ("ratio steady / bench (goal >= 0.90)", f"{s['ratio_steady']:.3f}"),
             ("ratio reported / bench", f"{s['ratio_reported']:.3f}"),
             ("peak memory, train.py", mem(tr["peak_mem_gib"])),
@@ -267,8 +268,10 @@ def table(s: dict) -> str:
 # ---------------------------------------------------------------------------------------------
 
 def bench_command(run_dir: Path, tr: dict, steps: int, on_gpu: bool) -> list:
-    """bench/train_speed.py at the exported drafter's shape, with train.py's tokens per step (its
-    batch's sequences at their mean length), TTT steps, loss, clipping and lr."""
+    """bench/train_speed.py at the exported drafter's shape and at the shape each GPU runs: one
+    micro-batch (train.micro_batch_size sequences at the mean length of train.py's batches), with
+    train.py's TTT steps, loss, clipping and lr. tokens/s compare as they are: train.py runs
+    batch_size / micro_batch_size such micro-batches a step (on one GPU, accumulated), the bench one."""
     import yaml
 
     from eagle3.model import DrafterShape
@@ -276,10 +279,11 @@ def bench_command(run_dir: Path, tr: dict, steps: int, on_gpu: bool) -> list:
     s = DrafterShape.from_hf_config(json.loads((run_dir / "export" / "sglang" / "config.json").read_text()))
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
     seq = max(2, round(tr["tokens_per_step"] / tr["batch_size"]))
+    micro = tr["micro_batch_size"] or tr["batch_size"]
     return [sys.executable, "bench/train_speed.py", "--hidden", s.hidden_size, "--intermediate", s.intermediate_size,
             "--heads", s.num_attention_heads, "--kv-heads", s.num_key_value_heads, "--head-dim", s.head_dim,
             "--vocab", s.vocab_size, "--draft-vocab", s.draft_vocab_size, "--target-hidden", s.target_hidden_size,
-            "--num-aux", s.num_aux, "--batch", tr["batch_size"], "--seq", seq, "--ttt", cfg["train"]["ttt_steps"],
+            "--num-aux", s.num_aux, "--batch", micro, "--seq", seq, "--ttt", cfg["train"]["ttt_steps"],
             "--loss", cfg["train"]["loss"], "--clip", cfg["optim"]["grad_clip"], "--lr", cfg["optim"]["lr"],
             "--steps", steps, "--warmup", 3 if on_gpu else 1, "--device", "cuda" if on_gpu else "cpu",
             "--dtype", "bf16" if on_gpu else "fp32"]
@@ -325,7 +329,7 @@ def rehearse(a) -> dict:
     save(deepspeed_zero2="trains without DeepSpeed" not in out, train=tr, export=export, sglang_check=check)
     bench = bench_command(work / "run", tr, a.bench_steps, on_gpu)
     seconds["bench"], _, out = run(bench, logs / "bench.log", env)
-    b = {**parse_bench(out), "batch": tr["batch_size"], "seq": bench[bench.index("--seq") + 1]}
+    b = {**parse_bench(out), "batch": bench[bench.index("--batch") + 1], "seq": bench[bench.index("--seq") + 1]}
     save(bench=b, ratio_steady=tr["tok_s_steady"] / b["tok_s"], ratio_reported=tr["tok_s_reported"] / b["tok_s"])
     print("\n" + table(s))
     print(f"\n[rehearse] summary: {path}")
