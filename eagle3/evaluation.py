@@ -393,7 +393,7 @@ def markdown_report(rows: Sequence[dict], settings: dict, production_baseline_to
             tau = _f(r["tau"]) + (f" [{r['tau_ci95'][0]:.2f}, {r['tau_ci95'][1]:.2f}]" if r.get("tau_ci95") else "")
             lines.append(f"| {r['drafter']} | {r['prompts']} | {tau} | {acc} | {r['num_drafts']} | "
                          f"{r['num_accepted']} | {_f(r['tok_s'], '{:.1f}')} | {_f(r['baseline_tok_s'], '{:.1f}')}"
-                         f"{prod} | {_f(r['speedup'])}x | {mism} |")
+                         f"{prod} | {_f(r['speedup'], '{:.2f}x')} | {mism} |")
         lines.append("")
         lines += judging.category_table(by_key, steps) + judging.comparison_table(comparisons, steps)
     if figures:

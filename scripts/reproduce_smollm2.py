@@ -23,7 +23,9 @@ its run directory WORK/runs/NAME:
     fmt_*          the ablation recipe trained offline from full and from compact features (capture.format)
     eval_*         evaluate.py per group (--eval-backend, default vllm; the docs' tau are vLLM's);
                    eval_abl_* judge one ablation each on all 80 MT-Bench first turns at chains 3
-                   and 7 without a baseline decode (tau only), so they run side by side
+                   and 7 without a baseline decode (tau only), so they run side by side;
+                   eval_ablations judges them all in one run, each paired against abl_base (with
+                   --eval-backend replay, one greedy decode per prompt serves every drafter)
     zero3_*        (2+ GPUs) ZeRO-3 on 2 GPUs against 1, same global batch, tiny target
     kimi_zero3_*   (2+ GPUs) the Kimi-size drafter (conf/experiment/kimi_dims.yaml) under ZeRO-3,
                    1 GPU against 2: losses, tokens/s and memory per GPU
@@ -168,6 +170,10 @@ def build_jobs(work: Path, dry: bool, gpus: int, regen_minutes: float = 0.0, reg
     jobs += [Job(f"eval_{n}", evaluate("smollm2_scale", f"eval_{n}", [n], "mt_bench", lambda: [],
                                        "eval.num_prompts=0", "eval.chains=[3,7]", "eval.baseline=false"),
                  deps=[n]) for n in [*ABLATE, *FORMATS]]
+    jobs += [Job("eval_ablations", evaluate("smollm2_scale", "eval_ablations", [*ABLATE, *FORMATS], "mt_bench",
+                                            lambda: [], "eval.num_prompts=0", "eval.chains=[3,7]",
+                                            "eval.baseline=false", "eval.reference=abl_base"),
+                 deps=[*ABLATE, *FORMATS])]
     jobs += [Job("eval_peer", evaluate("smollm2_peer", "eval_peer", list(PEER), "mt_bench"), deps=list(PEER)),
              Job("eval_scale", evaluate("smollm2_scale", "eval_scale", list(SCALE), "mt_bench"), deps=list(SCALE)),
              Job("eval_long", evaluate("smollm2_scale", "eval_long", list(LONG), "mt_bench,mt_bench_2turn,sharegpt_heldout",
@@ -271,7 +277,9 @@ def main() -> None:
     ap.add_argument("--answers", type=Path, help="scale_* and long_* train on this answer file instead of regen_all's")
     ap.add_argument("--regen-minutes", type=float, default=0.0, help="regen_all: time limit (0 = none)")
     ap.add_argument("--regen-chunk", type=int, default=4096, help="regen_all: conversations answered together")
-    ap.add_argument("--eval-backend", default="vllm", choices=["vllm", "hf", "sglang"])
+    ap.add_argument("--eval-backend", default="vllm", choices=["vllm", "hf", "sglang", "replay"],
+                    help="replay: the hf backend's counts from one greedy decode per prompt and one forward per "
+                         "drafter (no timings)")
     ap.add_argument("--list", action="store_true", help="print each job's command and exit")
     ap.add_argument("--dry-run", action="store_true", help="tiny target and sizes: the whole graph on a CPU")
     args = ap.parse_args()
