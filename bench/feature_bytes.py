@@ -99,6 +99,9 @@ def real_features(args):
 
     ds = FeatureDataset(args.features)
     m = ds.manifest
+    if ds.compact:
+        sys.exit(f"{args.features} is a compact dataset: the bench compares storages against the full format's "
+                 f"values; capture one with capture.format=full")
     samples = [ds[i] for i in range(min(args.samples, len(ds)))]
     print_aux(f"{m['target']['name']} (real, {args.features.name})", torch.cat([s["aux"] for s in samples]))
     embed, lm_head = load_head(resolve_target("gguf", "", m["target"]["name"], "llama", {}, 0))

@@ -160,10 +160,12 @@ def test_compact_round_trip_holds_the_reference_values(tmp_path):
     assert torch.equal(ds.draft_vocab().t2d, fmt.vocab.t2d)
     for i, s in enumerate(samples):
         got = ds[i]
-        assert set(got) == {"input_ids", "loss_mask", "aux", "teacher_ids", "teacher_p", "teacher_mass", "teacher_top"}
+        assert set(got) == {"input_ids", "loss_mask", "aux_codes", "aux_scale", "teacher_ids", "teacher_p",
+                            "teacher_mass", "teacher_top"}
         assert torch.equal(got["input_ids"], s.input_ids) and torch.equal(got["loss_mask"], s.loss_mask)
         _, _, ref_y = np_quantize(s.aux.numpy(), codec.LEVELS.numpy(), codec.GROUP_SIZE)
-        assert np.allclose(got["aux"].float().numpy(), ref_y, rtol=2 ** -8, atol=0)
+        aux = dequantize_aux(got["aux_codes"], got["aux_scale"])
+        assert np.allclose(aux.float().numpy(), ref_y, rtol=2 ** -8, atol=0)
         _, ik, pk, mass, top = reference_teacher(s.final, fmt.lm_head, fmt.vocab.draft_ids, TOPK)
         assert torch.equal(got["teacher_ids"], ik) and torch.equal(got["teacher_top"], top)
         assert torch.allclose(got["teacher_p"].double(), pk, rtol=2 ** -10, atol=1e-7)
@@ -176,6 +178,11 @@ def test_compact_round_trip_holds_the_reference_values(tmp_path):
     n0 = len(samples[0].input_ids)
     assert batch.final is None and batch.teacher.p.shape == (2, batch.input_ids.shape[1], TOPK)
     assert torch.equal(batch.teacher.top[0, :n0], ds[0]["teacher_top"]) and not batch.teacher.p[0, n0:].any()
+    # aux travels coded and is decoded by Batch.to: each sample's rows as decoded alone, padding zero
+    assert batch.aux is None and batch.aux_codes.dtype == torch.uint8
+    moved = batch.to("cpu", torch.float32)
+    assert torch.equal(moved.aux[0, :n0], dequantize_aux(ds[0]["aux_codes"], ds[0]["aux_scale"]).float())
+    assert not moved.aux[0, n0:].any() and moved.aux.shape == (2, batch.input_ids.shape[1], K * H)
 
 
 def header_and_offsets(path):
