@@ -73,6 +73,8 @@ def parse_args():
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--loss", default="soft_ce", help="train.loss: soft_ce | kl | tv | jsd | lk | lk_alpha")
     ap.add_argument("--clip", type=float, default=0.5)
+    ap.add_argument("--counted", type=float, default=1.0,
+                    help="share of rows the loss counts (train.py's log: tokens counted over tokens a step)")
     ap.add_argument("--peak-tflops", type=float, help="default: measured matmul throughput")
     ap.add_argument("--profile", action="store_true", help="print where one step's time goes")
     ap.add_argument("--new-lengths", type=int, default=0,
@@ -215,23 +217,26 @@ def measured_peak_tflops(device, dtype) -> float:
     return 2 * n ** 3 * reps / (time.perf_counter() - t) / 1e12
 
 
-def synthetic_batch(s: DrafterShape, B, T, device, dtype, gen):
+def synthetic_batch(s: DrafterShape, B, T, device, dtype, gen, counted: float = 1.0):
     """Random features; the target lm_head's draft rows are scaled up so the target's argmax
-    (over the full vocab) nearly always lies in the draft vocab, i.e. nearly every row counts."""
+    (over the full vocab) nearly always lies in the draft vocab, i.e. nearly every row the loss
+    mask holds counts; `counted`: the share of rows it holds (real answers leave prompts out)."""
     V, Vd, Ht = s.vocab_size, s.draft_vocab_size, s.target_hidden_size
     d2t = torch.zeros(Vd, dtype=torch.int64)                 # draft vocab = target ids 0..Vd-1
     t2d = torch.zeros(V, dtype=torch.bool)
     t2d[:Vd] = True
     head = torch.randn(V, Ht, generator=gen) / Ht ** 0.5
     head[:Vd] *= 3.0
-    return random_features(s, B, T, device, dtype, gen), head.to(device, dtype), DraftVocab(d2t, t2d).to(device)
+    return (random_features(s, B, T, device, dtype, gen, counted), head.to(device, dtype),
+            DraftVocab(d2t, t2d).to(device))
 
 
-def random_features(s: DrafterShape, B, T, device, dtype, gen):
+def random_features(s: DrafterShape, B, T, device, dtype, gen, counted: float = 1.0):
     V, Ht = s.vocab_size, s.target_hidden_size
     batch = dict(
         input_ids=torch.randint(0, V, (B, T), generator=gen),
-        loss_mask=torch.ones(B, T, dtype=torch.uint8),
+        loss_mask=(torch.ones(B, T, dtype=torch.uint8) if counted >= 1 else
+                   (torch.rand(B, T, generator=gen) < counted).to(torch.uint8)),
         attention_mask=torch.ones(B, T, dtype=torch.bool),
         aux=torch.randn(B, T, s.num_aux * Ht, generator=gen),
         final=torch.randn(B, T, Ht, generator=gen),
@@ -248,7 +253,7 @@ def measure(args, shape: DrafterShape, device, cdtype):
     model.to(cdtype)            # as train.py: bf16 parameters, their fp32 masters in opt's state
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = adamw(trainable, args.lr, (0.9, 0.95), 0.0)
-    batch, head, vocab = synthetic_batch(shape, args.batch, args.seq, device, cdtype, gen)
+    batch, head, vocab = synthetic_batch(shape, args.batch, args.seq, device, cdtype, gen, args.counted)
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bf16"
                 else contextlib.nullcontext())
     if device.type == "cuda":
@@ -316,7 +321,7 @@ def measure(args, shape: DrafterShape, device, cdtype):
     if args.new_lengths:    # real batches have many lengths: what a length not seen before costs
         first = []
         for L in range(args.seq - args.new_lengths, args.seq):
-            batch = random_features(shape, args.batch, L, device, cdtype, gen)     # forward_backward reads it
+            batch = random_features(shape, args.batch, L, device, cdtype, gen, args.counted)   # forward_backward reads it
             sync(device)
             t0 = time.perf_counter()
             forward_backward()

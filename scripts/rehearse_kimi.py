@@ -256,7 +256,7 @@ def table(s: dict) -> str:
             ("peak memory, bench", f"{mem(b['peak_mem_gib'])} ({b['peak_mem_kind']})"),
             ("tokens per step (16 sequences of mixed length)" if not s["tiny"] else "tokens per step",
              f"{tr['tokens_per_step']:,.0f}"),
-            ("rows counted by the loss, train.py (bench: ~all)", f"{tr['counted_fraction']:.1%}"),
+            ("rows counted by the loss (bench: the same share)", f"{tr['counted_fraction']:.1%}"),
             ("feature bytes on disk per token", f"{f['bytes_per_token']:,.0f} ({f['format']} format)"),
             ("feature dataset", f"{f['samples']} samples, {f['tokens']:,} tokens, {f['shard_bytes'] / 1e9:.2f} GB"),
             ("export params (sglang)", f"{s['export']['sglang']['params'] / 1e6:.1f}M")]
@@ -270,7 +270,7 @@ def table(s: dict) -> str:
 def bench_command(run_dir: Path, tr: dict, steps: int, on_gpu: bool) -> list:
     """bench/train_speed.py at the exported drafter's shape and at the shape each GPU runs: one
     micro-batch (train.micro_batch_size sequences at the mean length of train.py's batches), with
-    train.py's TTT steps, loss, clipping and lr. tokens/s compare as they are: train.py runs
+    train.py's TTT steps, loss, clipping, lr and share of rows the loss counts. tokens/s compare as they are: train.py runs
     batch_size / micro_batch_size such micro-batches a step (on one GPU, accumulated), the bench one."""
     import yaml
 
@@ -285,6 +285,7 @@ def bench_command(run_dir: Path, tr: dict, steps: int, on_gpu: bool) -> list:
             "--vocab", s.vocab_size, "--draft-vocab", s.draft_vocab_size, "--target-hidden", s.target_hidden_size,
             "--num-aux", s.num_aux, "--batch", micro, "--seq", seq, "--ttt", cfg["train"]["ttt_steps"],
             "--loss", cfg["train"]["loss"], "--clip", cfg["optim"]["grad_clip"], "--lr", cfg["optim"]["lr"],
+            "--counted", round(tr["counted_fraction"], 4),
             "--steps", steps, "--warmup", 3 if on_gpu else 1, "--device", "cuda" if on_gpu else "cpu",
             "--dtype", "bf16" if on_gpu else "fp32"]
 
