@@ -19,7 +19,8 @@ its run directory WORK/runs/NAME:
     abl_*          ablations: one technique each against abl_base, on identical data and steps (the
                    first 4,096 conversations, two epochs of batch 16): the loss (lk, lk_alpha, tv,
                    jsd; kl has soft_ce's gradient), EAGLE-3.1's norms, TTT step weights and length,
-                   draft vocab 8,192, the head warm-started from the target's, four epochs
+                   draft vocab 8,192, the head warm-started from the target's, four epochs, only
+                   each conversation's first turn
     fmt_*          the ablation recipe trained offline from full and from compact features (capture.format)
     eval_*         evaluate.py per group (--eval-backend, default vllm; the docs' tau are vLLM's);
                    eval_abl_* judge one ablation each on all 80 MT-Bench first turns at chains 3
@@ -112,7 +113,8 @@ ABLATE = {"abl_base": [],
           "abl_ttt4": ["train.ttt_steps=4"],
           "abl_v8192": ["drafter.draft_vocab_size=8192"],
           "abl_warm": ["drafter.head_from_target=true"],
-          "abl_e4": ["train.epochs=4"]}
+          "abl_e4": ["train.epochs=4"],
+          "abl_turn1": ["data.turns=1"]}
 # the feature format: the ablation recipe trained offline from a full and from a compact feature
 # dataset of the same samples (same seed and steps)
 FORMATS = {"fmt_full": "full", "fmt_compact": "compact"}
