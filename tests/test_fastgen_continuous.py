@@ -125,10 +125,12 @@ def rounds_and_continuous(tok, model, tmp_path, max_prompt_tokens, chunk, rows, 
 
 
 @pytest.mark.parametrize("chunk,rows", [(2, 2), (256, 3)])
-def test_continuous_regeneration_writes_the_rounds_records(tok, model, tmp_path, chunk, rows):
+def test_continuous_regeneration_writes_the_rounds_records(tok, model, tmp_path, monkeypatch, chunk, rows):
     """Every user turn of 5 conversations (1 to 4 answers each; "d" ends at a prompt past the length
-    limit, after its first answer), rounds against continuous: the same file, record for record.
+    limit, after its first answer), rounds against continuous: the same file, record for record, in
+    conversation order though "b" finishes before "a" (records are appended at every check here).
     One stop id is a token the answers write, so answers end early as well as at the budget."""
+    monkeypatch.setattr(R, "FLUSH_S", 0.0)
     eot = chat.stop_ids(tok)
     first, _, _ = rounds_and_continuous(tok, model, tmp_path / "probe", 1024, chunk, rows, eot)
     common = [t for r in first for m in r["messages"] if m["role"] == "assistant"
@@ -167,3 +169,26 @@ def test_continuous_regeneration_resumes_and_stops_at_the_time_limit(tok, model,
         f.write(b'{"id": "b", "messa')
     R.regenerate_conversations(CONVS, tok, dec, path, 1024, progress=False, chunk=1)
     assert read(path) == read(whole)
+
+
+def test_capture_regen_continuous_writes_the_same_cache(tok, tmp_path, monkeypatch):
+    """capture.regen_continuous=true through regenerate(): the hf backend answers with
+    ContinuousGreedy, and the cache file is the rounds' byte for byte."""
+    from eagle3 import data as D
+    from eagle3.config import CaptureConfig, DataConfig
+    from eagle3.targets import target_info
+    from tests.test_regenerate import tiny_target_and_source
+
+    src, target, target_dir = tiny_target_and_source(tmp_path)
+    data = DataConfig(source="jsonl", path=str(src), max_length=256)
+    checks, advance = [], fastgen.ContinuousGreedy.advance
+    monkeypatch.setattr(fastgen.ContinuousGreedy, "advance", lambda self: checks.append(1) or advance(self))
+    caches = []
+    for continuous in (False, True):
+        monkeypatch.setattr(D, "cache_root", lambda c=continuous: tmp_path / f"cache{c}")
+        cap = CaptureConfig(backend="hf", regenerate=True, regen_max_new_tokens=NEW, device="cpu",
+                            regen_continuous=continuous)
+        caches += R.regenerate(target_dir, target, data, cap, tok, target_info(target_dir))
+        assert bool(checks) == continuous
+    assert caches[0].read_text() == caches[1].read_text()
+    assert [r["id"] for r in read(caches[1])] == ["a", "b", "c"]
