@@ -134,7 +134,7 @@ def multi_turn(args, tok, model, stop) -> None:
             records[name] = {r["id"]: r for r in map(json.loads, open(path))}
             answers = sum(len(r["regen"]["new_tokens"]) for r in records[name].values())
             tokens = sum(sum(r["regen"]["new_tokens"]) for r in records[name].values())
-            rows = f", {len(gen.owner)} rows" if name == "continuous" else ""
+            rows = f", {gen.rows} rows" if name == "continuous" else ""
             print(f"  {name:10s}: {sec:8.1f} s  {len(convs) / sec:7.1f} conv/s  {answers / sec:7.1f} answers/s  "
                   f"{tokens / sec:9.0f} answer tok/s{rows}")
     same = sum(records["rounds"].get(cid) == r for cid, r in records["continuous"].items())

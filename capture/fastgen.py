@@ -168,7 +168,8 @@ class ContinuousGreedy(StaticGreedy):
                  stop_ids: Sequence[int] = (), check_every: int = 16, prefill_tokens: int = 1 << 18):
         super().__init__(model, max_new_tokens, pad_id)
         dev, B, S = self.device, rows, max_prompt + max_new_tokens
-        self.max_prompt, self.check_every, self.prefill_tokens = max_prompt, check_every, prefill_tokens
+        self.rows, self.max_prompt = rows, max_prompt
+        self.check_every, self.prefill_tokens = check_every, prefill_tokens
         self.stop_ids = [int(t) for t in stop_ids]
         self.owner: List[Any] = [None] * B             # what each row answers; None: free
         layers = self.model.model.layers

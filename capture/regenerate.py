@@ -30,6 +30,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from capture.fastgen import ContinuousGreedy
 from eagle3 import chat
 from eagle3.config import CaptureConfig, DataConfig, TargetConfig
 from eagle3.data import BadRecord, Source, iter_conversations, mix_sources, regenerated_path, select_turns
@@ -221,7 +222,7 @@ def done_ids(path: Path) -> set:
     return ids
 
 
-def regenerate_conversations(conversations: Sequence[Tuple[str, list]], tok, generate: Generate,
+def regenerate_conversations(conversations: Sequence[Tuple[str, list]], tok, generate: Generate | ContinuousGreedy,
                              out_path: Path, max_prompt_tokens: int, progress: bool = True,
                              chunk: int = 256, minutes: float = 0.0, desc: str = "regenerate") -> Path:
     """Answer every conversation's user turns with `generate`; append records to out_path (JSONL).
@@ -230,14 +231,12 @@ def regenerate_conversations(conversations: Sequence[Tuple[str, list]], tok, gen
     interrupted run resumes. Records: {"id", "messages", "regen": {"new_tokens", "finished"}}.
     generate is a Generate: `chunk` conversations are answered together, turn by turn (each round of
     user turns is one call of `generate`, so larger chunks make fuller batches), and appended when all
-    are done. Or a fastgen.ContinuousGreedy: up to `chunk` conversations are in flight, each turn
-    queued as soon as the answer before it is done (_answer_continuously).
+    are done. Or a fastgen.ContinuousGreedy: up to `chunk` conversations (at least its rows) are in
+    flight, each turn queued as soon as the answer before it is done (_answer_continuously).
     minutes > 0: no chunk (conversation, when continuous) starts that would, at the pace of the last
     one, end after that many minutes; the finished ones are kept and a rerun goes on from there.
     """
     from tqdm import tqdm
-
-    from capture.fastgen import ContinuousGreedy
 
     t0 = time.time()
     out_path = Path(out_path)
@@ -281,20 +280,25 @@ def _answer_in_rounds(todo, tok, generate: Generate, out_path: Path, max_prompt_
     return len(todo)
 
 
-def _answer_continuously(todo, tok, dec, out_path: Path, max_prompt_tokens: int, bar, chunk: int,
-                         minutes: float, t0: float) -> int:
+FLUSH_S = 10.0
+
+
+def _answer_continuously(todo, tok, dec: ContinuousGreedy, out_path: Path, max_prompt_tokens: int, bar,
+                         chunk: int, minutes: float, t0: float) -> int:
     """No rounds: dec's rows take waiting prompts as they free up; a conversation's next prompt waits
     as soon as its answer is done, a new conversation starts as soon as fewer than `chunk` are
-    unfinished. Records are appended in conversation order (a finished conversation waits for the ones
-    before it), at most every FLUSH_S seconds: an fsync per conversation would cost more than its
-    decode. Returns the conversations started (and answered)."""
+    unfinished (or fewer than dec has rows: a conversation has one prompt in flight at a time, so
+    fewer would leave rows idle). Records are appended in conversation order (a finished conversation
+    waits for the ones before it), at most every FLUSH_S seconds: an fsync per conversation would
+    cost more than its decode. Returns the conversations started (and answered)."""
     from collections import deque
 
     started: Dict[int, float] = {}                # id(conversation) -> start time, while unfinished
     unwritten, waiting = deque(), deque()         # conversations in order; (conversation, prompt)
     n, pace, flushed, stop = 0, 0.0, time.time(), False
+    in_flight = max(chunk, dec.rows)
     while True:
-        while len(started) < chunk and n < len(todo) and not stop:
+        while len(started) < in_flight and n < len(todo) and not stop:
             stop = bool(minutes) and time.time() - t0 + pace > minutes * 60
             if stop:
                 break
@@ -320,9 +324,6 @@ def _answer_continuously(todo, tok, dec, out_path: Path, max_prompt_tokens: int,
             flushed = time.time()
     bar.update(_append_finished(out_path, unwritten, started))
     return n
-
-
-FLUSH_S = 10.0
 
 
 def _append_finished(path: Path, unwritten, started: Dict[int, float]) -> int:

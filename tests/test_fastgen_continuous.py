@@ -152,7 +152,7 @@ def test_continuous_regeneration_resumes_and_stops_at_the_time_limit(tok, model,
 
     stop_ids = chat.stop_ids(tok)
     whole = tmp_path / "whole.jsonl"
-    dec = R.hf_continuous(model, stop_ids, NEW, 1023, 2)
+    dec = R.hf_continuous(model, stop_ids, NEW, 1023, 1)             # one conversation in flight
     R.regenerate_conversations(CONVS, tok, dec, whole, 1024, progress=False, chunk=1)
 
     path = tmp_path / "limited.jsonl"
