@@ -9,8 +9,10 @@ eagerly (that is what the tests compare with `generate`).
 
 Rows are left padded, so every row writes the same cache slot each step; a row's mask is its own
 prompt span plus the slots written so far, and its positions count from its first real token,
-exactly as `generate` does with an attention mask. Only the plain Llama decoder layer is
-supported (`supports`); other targets use `generate`.
+exactly as `generate` does with an attention mask. ContinuousGreedy keeps a fixed set of rows
+busy instead, refilling each as its answer ends; its rows sit at different positions, so each writes
+its own slot. Only the plain Llama decoder layer is supported (`supports`); other targets use
+`generate`.
 """
 from __future__ import annotations
 
