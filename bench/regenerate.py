@@ -1,10 +1,18 @@
 """Greedy regeneration speed: transformers' generate against capture/fastgen.py, same prompts, same run.
 
     python bench/regenerate.py --target smollm2 --prompts 4096 --batch 4096 --new 256   # on a GPU
+    python bench/regenerate.py --target smollm2 --prompts 4096 --batch 4096 --new 256 --stop
+    python bench/regenerate.py --target smollm2 --conversations 4096 --batch 4096 --new 256 --max-length 2048
     python bench/regenerate.py --target tiny_llama --prompts 16 --batch 16 --new 32     # CPU smoke run
 
 Prompts are ShareGPT first turns (SmolLM2's chat template). Prints generated tokens per second for
-both, and how many answers agree token for token (bf16 on GPU: a near-tie can flip either way).
+generate, StaticGreedy (length-sorted batches) and ContinuousGreedy (--batch rows, refilled), and
+how many answers agree token for token (bf16 on GPU: a near-tie can flip either way). Without --stop
+every answer runs to --new tokens (nothing for refills to gain); with it answers end at the end of
+turn, as regeneration's do, and the rate counts the tokens up to there.
+--conversations N: every user turn of N ShareGPT conversations through regenerate_conversations,
+round by round (StaticGreedy, chunk = --batch) against continuous (--batch rows at most, as many as
+fit half the free memory, and at most --batch conversations in flight).
 """
 from __future__ import annotations
 
@@ -29,6 +37,9 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=256)
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--new", type=int, default=256)
+    ap.add_argument("--stop", action="store_true", help="answers end at the end-of-turn token")
+    ap.add_argument("--conversations", type=int, default=0, help="multi-turn: rounds against continuous")
+    ap.add_argument("--max-length", type=int, default=2048, help="multi-turn: data.max_length")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -38,6 +49,9 @@ def main() -> None:
     tok = load_tokenizer(tdir)
     model = load_target_model(tdir, dtype, device)
     stop = stop_ids(tok)
+    print(f"{args.target} on {device} ({dtype})")
+    if args.conversations:
+        return multi_turn(args, tok, model, stop)
     prompts = []
     for _, msgs in iter_conversations("sharegpt"):
         users = [m for m in msgs or [] if isinstance(m, dict) and m.get("role") == "user"
@@ -49,7 +63,7 @@ def main() -> None:
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
     batches = [[prompts[i] for i in order[b:b + args.batch]] for b in range(0, len(order), args.batch)]
 
-    def timed(fn):
+    def timed(fn, batches=batches):
         if device == "cuda":
             torch.cuda.synchronize()
         t = time.perf_counter()
@@ -62,21 +76,69 @@ def main() -> None:
         ids, att = fastgen.left_pad(batch, stop[0])
         with torch.no_grad():
             seq = model.generate(input_ids=ids.to(device), attention_mask=att.to(device), do_sample=False,
-                                 max_new_tokens=args.new, min_new_tokens=args.new, pad_token_id=stop[0])
+                                 max_new_tokens=args.new, pad_token_id=stop[0],
+                                 **({"eos_token_id": stop} if args.stop else {"min_new_tokens": args.new}))
         return seq[:, ids.shape[1]:].tolist()
 
-    dec = fastgen.StaticGreedy(model, args.new, pad_id=stop[0])
-    fast_out, fast_s = timed(dec.generate)
-    hf_out, hf_s = timed(hf)
-    n = len(prompts) * args.new
-    # generate is told not to stop (min_new_tokens masks the stop token), fastgen just never stops:
-    # compare each answer up to fastgen's first end-of-turn token
-    cut = [cut_at_stop(a, stop)[0] for a in fast_out]
-    same = sum(b[:len(a)] == a for a, b in zip(cut, hf_out))
-    print(f"{args.target} on {device} ({dtype}), {len(prompts)} prompts x {args.new} new tokens, batch {args.batch}")
-    print(f"  generate : {hf_s:8.1f} s  {n / hf_s:10.0f} tok/s")
-    print(f"  fastgen  : {fast_s:8.1f} s  {n / fast_s:10.0f} tok/s   ({hf_s / fast_s:.2f}x)")
-    print(f"  identical answers: {same}/{len(prompts)}")
+    ends = stop if args.stop else []
+
+    def static(batch):
+        return fastgen.StaticGreedy(model, args.new, pad_id=stop[0]).generate(batch, stop_ids=ends)
+
+    # the continuous decoder takes every prompt at once (longest first) into --batch rows: it refills
+    # only when there are more prompts than rows
+    def continuous(every):
+        rows = min(args.batch, len(every))
+        return fastgen.ContinuousGreedy(model, args.new, max(map(len, every)), rows, stop[0], ends).generate(every)
+
+    outs = {"StaticGreedy": timed(static), "continuous": timed(continuous, [[p for b in batches for p in b]]),
+            "generate": timed(hf)}
+    # without --stop generate is told not to stop (min_new_tokens masks the stop token): every answer
+    # is compared up to its first end-of-turn token
+    answers = {name: [cut_at_stop(a, stop)[0] for a in out] for name, (out, _) in outs.items()}
+    n = sum(len(a) for a in answers["StaticGreedy"]) if args.stop else len(prompts) * args.new
+    print(f"{len(prompts)} prompts x {args.new} new tokens{' (to the end of turn)' if args.stop else ''}, "
+          f"batch {args.batch}; {n} tokens")
+    hf_s = outs["generate"][1]
+    for name, (_, sec) in outs.items():
+        print(f"  {name:12s}: {sec:8.1f} s  {n / sec:10.0f} tok/s   ({hf_s / sec:.2f}x generate)")
+    for name in ("StaticGreedy", "continuous"):
+        same = sum(b[:len(a)] == a for a, b in zip(answers[name], outs["generate"][0]))
+        print(f"  {name} answers identical to generate's: {same}/{len(prompts)}")
+    same = sum(a == b for a, b in zip(answers["StaticGreedy"], answers["continuous"]))
+    print(f"  continuous answers identical to StaticGreedy's: {same}/{len(prompts)}")
+
+
+def multi_turn(args, tok, model, stop) -> None:
+    import json
+    import tempfile
+
+    from capture import regenerate as R
+    from eagle3.config import DataConfig
+    from eagle3.data import Source
+
+    data = DataConfig(source="sharegpt", num_samples=args.conversations, max_length=args.max_length)
+    convs = R.source_conversations(Source("", "sharegpt", ""), data)
+    engines = [("rounds", lambda: R.hf_generate(model, stop, args.new, args.batch)),   # built in turn: each
+               ("continuous", lambda: R.hf_continuous(model, stop, args.new, args.max_length - 1, args.batch))]
+    records = {}                                                                  # sizes itself to free memory
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, engine in engines:
+            gen = engine()
+            path = Path(tmp) / f"{name}.jsonl"
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            R.regenerate_conversations(convs, tok, gen, path, args.max_length, progress=False, chunk=args.batch)
+            sec = time.perf_counter() - t
+            records[name] = {r["id"]: r for r in map(json.loads, open(path))}
+            answers = sum(len(r["regen"]["new_tokens"]) for r in records[name].values())
+            tokens = sum(sum(r["regen"]["new_tokens"]) for r in records[name].values())
+            rows = f", {gen.rows} rows" if name == "continuous" else ""
+            print(f"  {name:10s}: {sec:8.1f} s  {len(convs) / sec:7.1f} conv/s  {answers / sec:7.1f} answers/s  "
+                  f"{tokens / sec:9.0f} answer tok/s{rows}")
+    same = sum(records["rounds"].get(cid) == r for cid, r in records["continuous"].items())
+    print(f"  {len(convs)} conversations; continuous records identical to the rounds': {same}/{len(convs)}")
 
 
 if __name__ == "__main__":

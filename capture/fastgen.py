@@ -9,12 +9,14 @@ eagerly (that is what the tests compare with `generate`).
 
 Rows are left padded, so every row writes the same cache slot each step; a row's mask is its own
 prompt span plus the slots written so far, and its positions count from its first real token,
-exactly as `generate` does with an attention mask. Only the plain Llama decoder layer is
-supported (`supports`); other targets use `generate`.
+exactly as `generate` does with an attention mask. ContinuousGreedy keeps a fixed set of rows
+busy instead, refilling each as its answer ends; its rows sit at different positions, so each writes
+its own slot. Only the plain Llama decoder layer is supported (`supports`); other targets use
+`generate`.
 """
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import Any, List, Sequence, Tuple
 
 import torch
 
@@ -49,13 +51,20 @@ class StaticGreedy:
 
     # ---- one decode step: token ids [B] at positions [B], written to cache slot `slot` [1] ----
     def _step(self, ids, pos, slot, keys, values, valid, arange):
+        bias = torch.zeros(valid.shape, dtype=torch.float32, device=ids.device)
+        bias = bias.masked_fill(~(valid & (arange <= slot)), float("-inf"))             # [B, T]
+        return self._decode(ids, pos, bias, keys, values, lambda K, k: K.index_copy_(2, slot, k))
+
+    def _decode(self, ids, pos, bias, keys, values, write):
+        """Next token [B] after ids [B] at positions pos [B]. write(K, k) stores a layer's new
+        key/value k [B, nkv, 1, hd] in its cache [B, nkv, T, hd]; bias [B, T] is -inf at the slots a
+        row must not read."""
         m = self.model.model
         B, g = ids.shape[0], self.nh // self.nkv
         h = m.embed_tokens(ids)[:, None]                                   # [B, 1, H]
         cos, sin = m.rotary_emb(h, pos[:, None])                           # [B, 1, hd]
         cos, sin = cos[:, None], sin[:, None]                              # [B, 1, 1, hd]
-        bias = torch.zeros(valid.shape, dtype=torch.float32, device=ids.device)
-        bias = bias.masked_fill(~(valid & (arange <= slot)), float("-inf"))[:, None, None]  # [B,1,1,T]
+        bias = bias[:, None, None]                                         # [B, 1, 1, T]
         for layer, K, V in zip(m.layers, keys, values):
             a = layer.self_attn
             x = layer.input_layernorm(h)
@@ -64,8 +73,8 @@ class StaticGreedy:
             v = a.v_proj(x).view(B, self.nkv, 1, self.hd)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-            K.index_copy_(2, slot, k)
-            V.index_copy_(2, slot, v)
+            write(K, k)
+            write(V, v)
             # query head j*g..j*g+g-1 reads kv head j (transformers' repeat_kv order)
             s = torch.matmul(q.view(B, self.nkv, g, self.hd), K.transpose(-1, -2)).float() * a.scaling
             p = torch.softmax(s + bias, dim=-1).to(V.dtype)
@@ -115,27 +124,151 @@ class StaticGreedy:
                 break
         return out.tolist()
 
-    def _replayable(self, *args):
-        """A no-argument callable running one step on the static buffers `args`."""
+    def _replayable(self, *args, step=None):
+        """A no-argument callable running one step (self._step unless given) on the static buffers `args`."""
+        step = step or self._step
         if self.device.type != "cuda":
-            return lambda: self._step(*args)
+            return lambda: step(*args)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):                  # warm-up; its cache writes are redone by the replays
-            self._step(*args)
+            step(*args)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph):
-                result = self._step(*args)
+                result = step(*args)
         except RuntimeError as e:                       # still correct, only slower
             print(f"[fastgen] CUDA graph capture failed ({e}); decoding eagerly", flush=True)
-            return lambda: self._step(*args)
+            return lambda: step(*args)
 
         def replay():
             graph.replay()
             return result
         return replay
+
+
+class ContinuousGreedy(StaticGreedy):
+    """Greedy decoding over a fixed number of rows (slots), each refilled with a waiting prompt as soon
+    as its answer is done, so that no step runs on a row that has nothing left to write.
+
+    A row holds its prompt at cache slots 0..len-1 and writes the key/value of the token at position p
+    to slot p: its write index is its own position `pos` [rows], a static buffer that the step advances
+    in place, so one captured graph serves every step whatever each row is at. The mask is
+    arange <= pos, which also hides what an earlier occupant left in the slots past it. add() prefills
+    new prompts (right padded, several at once, with the model's own forward) into free rows; advance()
+    runs check_every steps and returns the rows that are done. Each check reads the rows' state back to
+    the host (a sync, then the refill's prefill while the graph waits); between checks a row that has
+    stopped runs on for up to check_every - 1 steps whose tokens are dropped. The cache holds
+    rows x (max_prompt + max_new_tokens) tokens, allocated once.
+
+        dec = ContinuousGreedy(model, 256, max_prompt=2047, rows=1024, pad_id=pad, stop_ids=stop)
+        dec.add([(key, prompt), ...]); finished = dec.advance()     # [(key, ids up to the stop id)]
+    """
+
+    def __init__(self, model, max_new_tokens: int, max_prompt: int, rows: int, pad_id: int,
+                 stop_ids: Sequence[int] = (), check_every: int = 16, prefill_tokens: int = 1 << 18):
+        super().__init__(model, max_new_tokens, pad_id)
+        dev, B, S = self.device, rows, max_prompt + max_new_tokens
+        self.rows, self.max_prompt = rows, max_prompt
+        self.check_every, self.prefill_tokens = check_every, prefill_tokens
+        self.stop_ids = [int(t) for t in stop_ids]
+        self.owner: List[Any] = [None] * B             # what each row answers; None: free
+        layers = self.model.model.layers
+        self.keys = [torch.zeros(B, self.nkv, S, self.hd, dtype=self.dtype, device=dev) for _ in layers]
+        self.values = [torch.zeros_like(k) for k in self.keys]
+        self.cur = torch.zeros(B, dtype=torch.long, device=dev)        # last token, at position pos
+        self.pos = torch.zeros(B, dtype=torch.long, device=dev)        # = the cache slot it is written to
+        self.n = torch.zeros(B, dtype=torch.long, device=dev)          # tokens generated so far
+        self.hit = torch.zeros(B, dtype=torch.bool, device=dev)        # a stop id among them
+        self.out = torch.zeros(B, max_new_tokens + 1, dtype=torch.long, device=dev)   # last column: overrun
+        self.stops = torch.tensor(self.stop_ids or [-1], device=dev)
+        self.arange = torch.arange(S, device=dev)
+        self._replay = self._replayable(step=self._step_rows)   # captured while every row is free: the
+        for t in (self.cur, self.pos, self.n, self.hit):          # warm-up step wrote to no row in use
+            t.zero_()
+
+    def _step_rows(self):
+        """One step of every row on the static buffers; a finished or free row computes on, its
+        position held at the last slot and its count at max_new_tokens (their tokens are dropped)."""
+        B, S = self.cur.shape[0], self.arange.shape[0]
+        bias = torch.zeros(B, S, dtype=torch.float32, device=self.cur.device)
+        bias = bias.masked_fill(self.arange > self.pos[:, None], float("-inf"))
+        at = self.pos.view(B, 1, 1, 1).expand(B, self.nkv, 1, self.hd)   # row b writes slot pos[b]
+        tok = self._decode(self.cur, self.pos, bias, self.keys, self.values, lambda K, k: K.scatter_(2, at, k))
+        self.out.scatter_(1, self.n[:, None], tok[:, None])
+        self.hit |= (tok[:, None] == self.stops).any(-1)
+        self.n.add_(1).clamp_(max=self.max_new)
+        self.pos.add_(1).clamp_(max=S - 1)
+        self.cur.copy_(tok)
+        return tok
+
+    def free(self) -> int:
+        return sum(o is None for o in self.owner)
+
+    def busy(self) -> int:
+        return len(self.owner) - self.free()
+
+    @torch.no_grad()
+    def add(self, items: Sequence[Tuple[Any, Sequence[int]]]) -> None:
+        """Start answering (key, prompt) pairs, at most free() of them, each prompt max_prompt tokens
+        at most: prefill in row groups of about prefill_tokens, keys/values copied to slots 0..len-1."""
+        if not items:
+            return
+        rows = [r for r, o in enumerate(self.owner) if o is None][:len(items)]
+        if len(rows) < len(items):
+            raise ValueError(f"{len(items)} prompts for {len(rows)} free rows")
+        if any(len(p) > self.max_prompt for _, p in items):
+            raise ValueError(f"a prompt is longer than max_prompt={self.max_prompt}")
+        m, dev = self.model, self.device
+        step = max(1, self.prefill_tokens // max(len(p) for _, p in items))
+        for g in range(0, len(items), step):
+            group, r = items[g:g + step], torch.tensor(rows[g:g + step], device=dev)
+            lens = torch.tensor([len(p) for _, p in group], device=dev)
+            ids, att = (t.to(dev) for t in right_pad([p for _, p in group], self.pad_id))
+            T = ids.shape[1]
+            # right padded: a prompt's tokens never attend to the padding after them, and sit at
+            # positions 0..len-1, the slots they are copied to
+            res = m.model(input_ids=ids, attention_mask=att, use_cache=True,
+                          position_ids=torch.arange(T, device=dev).expand_as(ids))
+            first = m.lm_head(res.last_hidden_state[torch.arange(len(group), device=dev), lens - 1]).argmax(-1)
+            for i, layer_cache in enumerate(res.past_key_values.layers):
+                self.keys[i][r, :, :T] = layer_cache.keys
+                self.values[i][r, :, :T] = layer_cache.values
+            del res
+            self.cur[r], self.pos[r], self.n[r] = first, lens, 1
+            self.out[r, 0] = first
+            self.hit[r] = (first[:, None] == self.stops).any(-1)
+        for row, (key, _) in zip(rows, items):
+            self.owner[row] = key
+
+    @torch.no_grad()
+    def advance(self) -> List[Tuple[Any, List[int]]]:
+        """check_every decode steps, then (key, generated ids) of every row that is done: up to and
+        including its first stop id, or max_new_tokens ids. Those rows are free again."""
+        for _ in range(self.check_every):
+            self._replay()
+        state = torch.where(self.hit | (self.n >= self.max_new), self.n, 0).tolist()    # one sync
+        rows = [r for r, k in enumerate(state) if k and self.owner[r] is not None]
+        if not rows:
+            return []
+        done = []
+        for r, ids in zip(rows, self.out[torch.tensor(rows, device=self.device)].tolist()):
+            ids = ids[:state[r]]
+            stop = next((j for j, t in enumerate(ids) if t in self.stop_ids), None)
+            done.append((self.owner[r], ids if stop is None else ids[:stop + 1]))
+            self.owner[r] = None
+        return done
+
+    def generate(self, prompts: Sequence[Sequence[int]]) -> List[List[int]]:
+        """Every prompt's answer, in order (each up to and including its first stop id)."""
+        out: List[List[int]] = [[] for _ in prompts]
+        waiting = list(enumerate(prompts))[::-1]
+        while waiting or self.busy():
+            self.add([waiting.pop() for _ in range(min(self.free(), len(waiting)))])
+            for i, ids in self.advance():
+                out[i] = ids
+        return out
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int):
@@ -146,6 +279,17 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int):
     for r, p in enumerate(prompts):
         ids[r, T - len(p):] = torch.tensor(p, dtype=torch.long)
         att[r, T - len(p):] = 1
+    return ids, att
+
+
+def right_pad(prompts: Sequence[Sequence[int]], pad_id: int):
+    """(ids, attention mask), both [B, longest] int64 on CPU, each prompt left-aligned."""
+    T = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), T), pad_id, dtype=torch.long)
+    att = torch.zeros(len(prompts), T, dtype=torch.long)
+    for r, p in enumerate(prompts):
+        ids[r, :len(p)] = torch.tensor(p, dtype=torch.long)
+        att[r, :len(p)] = 1
     return ids, att
 
 

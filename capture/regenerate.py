@@ -30,6 +30,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from capture.fastgen import ContinuousGreedy
 from eagle3 import chat
 from eagle3.config import CaptureConfig, DataConfig, TargetConfig
 from eagle3.data import BadRecord, Source, iter_conversations, mix_sources, regenerated_path, select_turns
@@ -60,9 +61,35 @@ class _Conv:
                 return True
         return False
 
+    def prompt(self, tok, max_prompt_tokens: int) -> Optional[List[int]]:
+        """The next prompt's token ids; None at the end, or where the prompt is max_prompt_tokens or
+        longer (its answer would be truncated away by the data loader: the conversation stops there)."""
+        if not self.next_prompt():
+            return None
+        ids = chat.render_prompt(tok, self.done)
+        if len(ids) >= max_prompt_tokens:
+            self.done.pop()
+            return None
+        return ids
+
+    def answered(self, tok, ids: List[int], finished: bool) -> None:
+        self.done.append(chat.answer_turn(tok, ids))
+        self.new_tokens.append(len(ids))
+        self.finished.append(finished)
+
     def record(self) -> Dict[str, Any]:
+        while self.done and self.done[-1]["role"] != "assistant":
+            self.done.pop()                      # a trailing question that was not answered
         return {"id": self.id, "messages": self.done,
                 "regen": {"new_tokens": self.new_tokens, "finished": self.finished}}
+
+
+def _append(path: Path, convs: Sequence[_Conv]) -> None:
+    with open(path, "a", encoding="utf-8") as f:
+        for v in convs:
+            f.write(json.dumps(v.record(), ensure_ascii=False) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -119,6 +146,23 @@ def hf_generate(model, stop_ids: Sequence[int], max_new_tokens: int, batch_size:
                 out[i] = cut_at_stop(ids, stop_ids)
         return out
     return run
+
+
+def hf_continuous(model, stop_ids: Sequence[int], max_new_tokens: int, max_prompt_tokens: int,
+                  rows: int, memory_fraction: float = 0.5):
+    """fastgen.ContinuousGreedy for prompts of up to max_prompt_tokens: `rows` rows, fewer on CUDA when
+    their static cache (max_prompt_tokens + max_new_tokens slots each) would exceed memory_fraction of
+    free memory; None for a target fastgen does not support (it answers in rounds with hf_generate)."""
+    from capture import fastgen
+
+    if not fastgen.supports(model):
+        return None
+    dec = fastgen.StaticGreedy(model, max_new_tokens, pad_id=int(stop_ids[0]))
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        per_row = (max_prompt_tokens + max_new_tokens) * dec.cache_bytes_per_token()
+        rows = max(1, min(rows, int(torch.cuda.mem_get_info(device)[0] * memory_fraction) // per_row))
+    return fastgen.ContinuousGreedy(model, max_new_tokens, max_prompt_tokens, rows, int(stop_ids[0]), stop_ids)
 
 
 def sglang_generate(url: str, stop_ids: Sequence[int], max_new_tokens: int, concurrency: int = 16,
@@ -178,17 +222,19 @@ def done_ids(path: Path) -> set:
     return ids
 
 
-def regenerate_conversations(conversations: Sequence[Tuple[str, list]], tok, generate: Generate,
+def regenerate_conversations(conversations: Sequence[Tuple[str, list]], tok, generate: Generate | ContinuousGreedy,
                              out_path: Path, max_prompt_tokens: int, progress: bool = True,
                              chunk: int = 256, minutes: float = 0.0, desc: str = "regenerate") -> Path:
     """Answer every conversation's user turns with `generate`; append records to out_path (JSONL).
 
     conversations: (id, messages) pairs in order; ids already in out_path are skipped, so an
     interrupted run resumes. Records: {"id", "messages", "regen": {"new_tokens", "finished"}}.
-    `chunk` conversations are answered together, turn by turn (each round of user turns is one call
-    of `generate`, so larger chunks make fuller batches), and appended when all are done.
-    minutes > 0: no chunk starts that would, at the pace of the last one, end after that many
-    minutes; the finished ones are kept and a rerun goes on from there.
+    generate is a Generate: `chunk` conversations are answered together, turn by turn (each round of
+    user turns is one call of `generate`, so larger chunks make fuller batches), and appended when all
+    are done. Or a fastgen.ContinuousGreedy: up to `chunk` conversations (at least its rows) are in
+    flight, each turn queued as soon as the answer before it is done (_answer_continuously).
+    minutes > 0: no chunk (conversation, when continuous) starts that would, at the pace of the last
+    one, end after that many minutes; the finished ones are kept and a rerun goes on from there.
     """
     from tqdm import tqdm
 
@@ -198,42 +244,100 @@ def regenerate_conversations(conversations: Sequence[Tuple[str, list]], tok, gen
     have = done_ids(out_path)
     todo = [(cid, msgs) for cid, msgs in conversations if cid not in have]
     bar = tqdm(total=len(todo), unit="conv", desc=desc, disable=not progress)
+    if isinstance(generate, ContinuousGreedy):
+        started = _answer_continuously(todo, tok, generate, out_path, max_prompt_tokens, bar, chunk, minutes, t0)
+    else:
+        started = _answer_in_rounds(todo, tok, generate, out_path, max_prompt_tokens, bar, chunk, minutes, t0)
+    bar.close()
+    if started < len(todo):
+        print(f"[regenerate] stopped at the time limit ({minutes:g} min): {started} of {len(todo)} "
+              f"conversations answered this run, kept in {out_path}; a rerun goes on from there", flush=True)
+    return out_path
+
+
+def _answer_in_rounds(todo, tok, generate: Generate, out_path: Path, max_prompt_tokens: int, bar,
+                      chunk: int, minutes: float, t0: float) -> int:
+    """Chunk by chunk, one call of generate per round of user turns; returns the conversations answered."""
     last = 0.0
     for c in range(0, len(todo), chunk):
         if minutes and time.time() - t0 + last > minutes * 60:
-            print(f"[regenerate] stopped at the time limit ({minutes:g} min): {c} of {len(todo)} "
-                  f"conversations answered this run, kept in {out_path}; a rerun goes on from there", flush=True)
-            break
+            return c
         t_chunk = time.time()
-        convs = [_Conv(cid, [], [dict(role=m["role"], content=m["content"]) for m in msgs])
-                 for cid, msgs in todo[c:c + chunk]]
-        active = [v for v in convs if v.next_prompt()]
+        convs = [_new_conv(cid, msgs) for cid, msgs in todo[c:c + chunk]]
+        active = [(v, p) for v in convs for p in [v.prompt(tok, max_prompt_tokens)] if p is not None]
         while active:
-            prompts = [chat.render_prompt(tok, v.done) for v in active]
-            keep = [i for i, p in enumerate(prompts) if len(p) < max_prompt_tokens]
-            for i in set(range(len(active))) - set(keep):
-                active[i].done.pop()             # its answer would be truncated away: stop here
-            answers = generate([prompts[i] for i in keep]) if keep else []
+            answers = generate([p for _, p in active])
             nxt = []
-            for i, (ids, finished) in zip(keep, answers):
-                v = active[i]
-                v.done.append(chat.answer_turn(tok, ids))
-                v.new_tokens.append(len(ids))
-                v.finished.append(finished)
-                if v.next_prompt():
-                    nxt.append(v)
+            for (v, _), (ids, finished) in zip(active, answers):
+                v.answered(tok, ids, finished)
+                p = v.prompt(tok, max_prompt_tokens)
+                if p is not None:
+                    nxt.append((v, p))
             active = nxt
-        with open(out_path, "a", encoding="utf-8") as f:
-            for v in convs:
-                while v.done and v.done[-1]["role"] != "assistant":
-                    v.done.pop()                 # a trailing question that was not answered
-                f.write(json.dumps(v.record(), ensure_ascii=False) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        _append(out_path, convs)
         bar.update(len(convs))
         last = time.time() - t_chunk
-    bar.close()
-    return out_path
+    return len(todo)
+
+
+FLUSH_S = 10.0
+
+
+def _answer_continuously(todo, tok, dec: ContinuousGreedy, out_path: Path, max_prompt_tokens: int, bar,
+                         chunk: int, minutes: float, t0: float) -> int:
+    """No rounds: dec's rows take waiting prompts as they free up; a conversation's next prompt waits
+    as soon as its answer is done, a new conversation starts as soon as fewer than `chunk` are
+    unfinished (or fewer than dec has rows: a conversation has one prompt in flight at a time, so
+    fewer would leave rows idle). Records are appended in conversation order (a finished conversation
+    waits for the ones before it), at most every FLUSH_S seconds: an fsync per conversation would
+    cost more than its decode. Returns the conversations started (and answered)."""
+    from collections import deque
+
+    started: Dict[int, float] = {}                # id(conversation) -> start time, while unfinished
+    unwritten, waiting = deque(), deque()         # conversations in order; (conversation, prompt)
+    n, pace, flushed, stop = 0, 0.0, time.time(), False
+    in_flight = max(chunk, dec.rows)
+    while True:
+        while len(started) < in_flight and n < len(todo) and not stop:
+            stop = bool(minutes) and time.time() - t0 + pace > minutes * 60
+            if stop:
+                break
+            v = _new_conv(*todo[n])
+            n += 1
+            unwritten.append(v)
+            p = v.prompt(tok, max_prompt_tokens)
+            if p is not None:
+                started[id(v)] = time.time()
+                waiting.append((v, p))
+        dec.add([waiting.popleft() for _ in range(min(dec.free(), len(waiting)))])
+        if not dec.busy():                        # nothing waits and nothing more may start
+            break
+        for v, ids in dec.advance():
+            v.answered(tok, *cut_at_stop(ids, dec.stop_ids))
+            p = v.prompt(tok, max_prompt_tokens)
+            if p is None:
+                pace = time.time() - started.pop(id(v))
+            else:
+                waiting.append((v, p))
+        if time.time() - flushed > FLUSH_S:
+            bar.update(_append_finished(out_path, unwritten, started))
+            flushed = time.time()
+    bar.update(_append_finished(out_path, unwritten, started))
+    return n
+
+
+def _append_finished(path: Path, unwritten, started: Dict[int, float]) -> int:
+    """Append the finished conversations at the head of `unwritten` (a deque, in order); their number."""
+    ready = []
+    while unwritten and id(unwritten[0]) not in started:
+        ready.append(unwritten.popleft())
+    if ready:
+        _append(path, ready)
+    return len(ready)
+
+
+def _new_conv(cid: str, messages: list) -> _Conv:
+    return _Conv(cid, [], [dict(role=m["role"], content=m["content"]) for m in messages])
 
 
 def source_conversations(src: Source, data: DataConfig) -> List[Tuple[str, list]]:
@@ -257,7 +361,9 @@ def _regenerate_hf(device: str, target_dir: Path, target: TargetConfig, capture:
                    desc: str = "regenerate") -> None:
     tok = chat.load_tokenizer(target_dir, target)
     model = load_target_model(target_dir, model_dtype(device), device, target.trust_remote_code)
-    gen = hf_generate(model, chat.stop_ids(tok, target_dir), capture.regen_max_new_tokens, capture.regen_batch_size)
+    stop, n = chat.stop_ids(tok, target_dir), capture.regen_max_new_tokens
+    gen = hf_continuous(model, stop, n, max_length - 1, capture.regen_batch_size) if capture.regen_continuous else None
+    gen = gen or hf_generate(model, stop, n, capture.regen_batch_size)
     regenerate_conversations(convs, tok, gen, path, max_length, progress=progress,
                              chunk=capture.regen_chunk, minutes=capture.regen_minutes, desc=desc)
 

@@ -149,6 +149,10 @@ class CaptureConfig:
     regen_workers: int = 0                    # hf: processes answering in parallel, one per GPU (0 = one per visible GPU)
     regen_chunk: int = 256                    # conversations answered together, round by round, saved together
     regen_minutes: float = 0.0                # > 0: start no chunk that would end later than this (rerun resumes)
+    # hf, Llama targets: regen_batch_size rows (fewer where memory is short) refilled as answers finish,
+    # each turn queued as soon as the answer before it is done (capture/fastgen.py ContinuousGreedy),
+    # instead of round by round; regen_chunk is then how many conversations are in flight at most
+    regen_continuous: bool = False
     # sglang backend
     server_url: str = ""                      # use a running capture server instead of launching one
     tp_size: int = 1
