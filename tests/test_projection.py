@@ -42,6 +42,12 @@ def test_factor_form_equals_the_latency_form():
     assert project(a, draft_ms, 26.3)["projected_tok_s"] == pytest.approx(project_with_factor(a, 26.3, R))
 
 
+# the reports docs/perf.md's table "The formula against runs measured end to end" was computed from
+# (later reports are not in it: some were timed while a test suite shared the cores, some not timed)
+PROJECTION_TABLE = ("long_b32_2turn_sharegpt", "long_b32_mt_bench", "long_e10_mt_bench", "long_e5_mt_bench",
+                    "long_mt_bench", "same_work_mt_bench", "scale_all_mt_bench", "scale_mt_bench")
+
+
 def test_against_vllm_measured_end_to_end():
     """docs/perf.md, "Projected speed": the SmolLM2 drafters on vLLM's CPU build. The cycle cost comes
     from the untrained drafter's run (nothing accepted): 26.30 / 21.53 = 1.2215 decode steps, i.e. a
@@ -56,7 +62,7 @@ def test_against_vllm_measured_end_to_end():
     assert project_with_factor(committed["accept_per_position"], committed["baseline_tok_s"], R) == pytest.approx(
         41.70, abs=0.01)                                # measured 39.41
     errors = [project_with_factor(r["accept_per_position"], r["baseline_tok_s"], R) / r["tok_s"] - 1
-              for f in sorted(EVALS.glob("*/report.json")) for r in json.loads(f.read_text())["results"]
+              for name in PROJECTION_TABLE for r in json.loads((EVALS / name / "report.json").read_text())["results"]
               if r["drafter"] != "untrained"]
     assert len(errors) == 20
     assert abs(statistics.median(errors)) < 0.01 and statistics.median(abs(e) for e in errors) < 0.08
