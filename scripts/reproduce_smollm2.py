@@ -21,7 +21,9 @@ its run directory WORK/runs/NAME:
                    jsd; kl has soft_ce's gradient), EAGLE-3.1's norms, TTT step weights and length,
                    draft vocab 8,192, the head warm-started from the target's, four epochs, only
                    each conversation's first turn
-    fmt_*          the ablation recipe trained offline from full and from compact features (capture.format)
+    fmt_*          the ablation recipe trained offline from full and from compact features (capture.format);
+                   the pair, from eval_ablations' output: python -m eagle3.judging
+                   WORK/runs/eval_ablations/eval --reference fmt_full
     eval_*         evaluate.py per group (--eval-backend, default vllm; the docs' tau are vLLM's);
                    eval_abl_* judge one ablation each on all 80 MT-Bench first turns at chains 3
                    and 7 without a baseline decode (tau only), so they run side by side;
