@@ -13,28 +13,13 @@ import json
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from capture import fastgen
 from capture import regenerate as R
 from eagle3 import chat
-from eagle3.targets import smollm2_tokenizer
+from test_regenerate import model, tok  # noqa: F401 - the fixtures: regeneration's tiny Llama target
 
 LENGTHS = (1, 41, 3, 60, 2, 17, 9, 33, 5, 50, 12, 4)
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return smollm2_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def model(tok):
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                      initializer_range=0.1)
-    return LlamaForCausalLM(cfg).eval()
 
 
 @pytest.fixture(scope="module")
