@@ -174,23 +174,26 @@ def main(cfg) -> None:
                                     teacher, norm))
 
     # ---- the loop ----
-    t0, tokens_seen, unigram = time.time(), 0, None
+    # the tokens trained on stay a device count, read at log time (see StepStats)
+    t0, unigram = time.time(), None
+    tokens_seen = torch.zeros((), dtype=torch.int64, device=device)
     recent = deque([(start - 1, t0)], maxlen=RATE_WINDOW + 1)    # (step, when it ended): the ETA's rate
     for step in range(start, total):
         lr = lr_at(step, total, c.optim.lr, c.optim.warmup_fraction, c.optim.min_lr_fraction)
         for g in optimizer.param_groups:
             g["lr"] = lr
         model.train()
-        stats = StepStats(S)
+        stats = StepStats(S, device)
         parts, norm = prepare(batch_of(step)[shard])
-        for bt, teacher in parts:
+        losses = []
+        for j, (bt, teacher) in enumerate(parts):
             out = run_loss(bt, teacher, norm)
-            if not torch.isfinite(out.loss):
-                sys.exit(f"error: non-finite loss {out.loss.item()} at step {step} on samples {bt.sample_ids}; "
-                         f"the last good checkpoint in {run_dir / 'checkpoints'} is kept")
+            losses.append(out.loss.detach())
+            if j == len(parts) - 1:   # the step's one wait for the GPU, before the last backward can step
+                stop_if_not_finite(losses, [b.sample_ids for b, _ in parts], step, run_dir)
             acc.backward(out.loss * grad_scale)
             stats.add(out)
-            tokens_seen += int(bt.attention_mask.sum())
+            tokens_seen += bt.attention_mask.sum()
         del parts
         if not use_ds and c.optim.grad_clip > 0:
             if acc.scaler is None:
@@ -206,7 +209,7 @@ def main(cfg) -> None:
             elapsed = recent[-1][1] - t0
             mem = {"max_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30} if device.type == "cuda" else {}
             log.write({"step": step, "split": "train", "lr": lr, **row,
-                       "tok_s": tokens_seen * world / max(elapsed, 1e-9), "eta_s": eta_seconds(recent, step, total),
+                       "tok_s": int(tokens_seen) * world / max(elapsed, 1e-9), "eta_s": eta_seconds(recent, step, total),
                        **mem}, total, elapsed)
         if data.held and (step % c.train.eval_every == 0 or step == total - 1):
             model.eval()
@@ -228,6 +231,16 @@ def main(cfg) -> None:
               f"[train] curves: {curves}\n[train] metrics: {run_dir / 'metrics.jsonl'}")
     acc.wait_for_everyone()
     acc.end_training()
+
+
+def stop_if_not_finite(losses: list, sample_ids: list, step: int, run_dir: Path) -> None:
+    """Stop at a step whose micro-batch losses are not all finite, naming the first such micro-batch's
+    samples, before the optimizer steps on its gradients (DeepSpeed steps inside the last backward)."""
+    finite = torch.isfinite(torch.stack(losses)).tolist()
+    if not all(finite):
+        j = finite.index(False)
+        sys.exit(f"error: non-finite loss {float(losses[j])} at step {step} on samples {sample_ids[j]}; "
+                 f"the last good checkpoint in {run_dir / 'checkpoints'} is kept")
 
 
 def make_accelerator(c):

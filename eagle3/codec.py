@@ -201,8 +201,10 @@ class StoredTeacher:
     mass: torch.Tensor
     top: torch.Tensor
 
-    def to(self, device) -> "StoredTeacher":
-        return StoredTeacher(self.ids.to(device), self.p.to(device), self.mass.to(device), self.top.to(device))
+    def to(self, device, move=None) -> "StoredTeacher":
+        """move(tensor, device): how each tensor travels (default: Tensor.to)."""
+        move = move or (lambda t, d: t.to(d))
+        return StoredTeacher(*(move(t, device) for t in (self.ids, self.p, self.mass, self.top)))
 
 
 def bytes_per_token(hidden: int, num_aux: int, draft_vocab_size: int, topk: int) -> int:

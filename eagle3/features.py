@@ -565,13 +565,24 @@ class Batch:
     aux_scale: Optional[torch.Tensor] = None
 
     def to(self, device, dtype: Optional[torch.dtype] = None) -> "Batch":
-        """Move to device; aux/final also to dtype (the masks and the stored teacher keep theirs).
-        Coded aux is copied as codes and decoded there."""
-        aux = (self.aux.to(device, dtype) if self.aux is not None else
-               codec.dequantize_aux(self.aux_codes.to(device), self.aux_scale.to(device)).to(dtype))
-        return Batch(self.input_ids.to(device), self.loss_mask.to(device), self.attention_mask.to(device),
-                     aux, None if self.final is None else self.final.to(device, dtype),
-                     list(self.sample_ids), None if self.teacher is None else self.teacher.to(device))
+        """Move to device (see to_device); aux/final also to dtype (the masks and the stored teacher
+        keep theirs). Coded aux is copied as codes and decoded there."""
+        aux = (to_device(self.aux, device, dtype) if self.aux is not None else
+               codec.dequantize_aux(to_device(self.aux_codes, device), to_device(self.aux_scale, device)).to(dtype))
+        return Batch(to_device(self.input_ids, device), to_device(self.loss_mask, device),
+                     to_device(self.attention_mask, device), aux,
+                     None if self.final is None else to_device(self.final, device, dtype),
+                     list(self.sample_ids), None if self.teacher is None else self.teacher.to(device, to_device))
+
+
+def to_device(t: torch.Tensor, device, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """t on device (and in dtype, converted there). From host memory to a GPU the copy goes through
+    pinned memory and does not wait: a copy from pageable memory waits until the GPU has run all the
+    work queued before it, and the GPU then idles while the host prepares the next batch."""
+    device = torch.device(device)
+    if t.device.type == "cpu" and device.type == "cuda":
+        t = t.pin_memory().to(device, non_blocking=True)
+    return t.to(device, dtype)
 
 
 def collate(items: List[Dict[str, torch.Tensor]], sample_ids: Sequence[str]) -> Batch:

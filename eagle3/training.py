@@ -35,30 +35,28 @@ class Objective(torch.nn.Module):
 
 class StepStats:
     """Sums of loss shares, per-TTT-step correct/count and chain acceptance (eagle3.loss: what an
-    engine would accept) over micro batches, reduced over processes."""
+    engine would accept) over micro batches, reduced over processes.
 
-    def __init__(self, ttt_steps: int):
-        self.loss = 0.0
-        self.correct = torch.zeros(ttt_steps, dtype=torch.float64)
-        self.count = torch.zeros(ttt_steps, dtype=torch.float64)
-        self.accepted = torch.zeros(ttt_steps, dtype=torch.float64)
-        self.chained = torch.zeros(1, dtype=torch.float64)
+    The sums stay on the device until `reduce`: copying a micro-batch's counts to the host would make
+    the host wait for the GPU after every forward, and the GPU then idles while the host queues the
+    next one."""
+
+    def __init__(self, ttt_steps: int, device="cpu"):
+        self.k = ttt_steps
+        # [loss, correct[S], count[S], accepted[S], chained]
+        self.sums = torch.zeros(3 * ttt_steps + 2, dtype=torch.float64, device=device)
 
     def add(self, out) -> None:
-        self.loss += float(out.loss.detach())
-        self.correct += out.correct.detach().to("cpu", torch.float64)
-        self.count += out.count.detach().to("cpu", torch.float64)
-        self.accepted += out.accepted.detach().to("cpu", torch.float64)
-        self.chained += float(out.chained)
+        parts = [out.loss.detach().reshape(1), out.correct.detach(), out.count.detach(), out.accepted.detach(),
+                 torch.as_tensor(out.chained).detach().reshape(1)]
+        self.sums += torch.cat([t.to(self.sums.device, torch.float64) for t in parts])
 
     def reduce(self, acc, batches: int) -> dict:
         """batches: how many global batches the shares cover (their losses are averaged).
         accept[s]: the share of chains accepted through draft position s; tau3 = 1 + accept[0..2]
         estimates tau at a chain of 3 (eagle3.loss's module doc says when it holds)."""
-        t = torch.cat([torch.tensor([self.loss], dtype=torch.float64), self.correct, self.count, self.accepted,
-                       self.chained])
-        t = acc.reduce(t.to(acc.device), reduction="sum").cpu()
-        k = len(self.correct)
+        t = acc.reduce(self.sums.to(acc.device), reduction="sum").cpu()
+        k = self.k
         correct, count, accepted, chained = t[1:1 + k], t[1 + k:1 + 2 * k], t[1 + 2 * k:1 + 3 * k], t[-1]
         accept = [float(a) for a in accepted / chained.clamp(min=1)]
         return {"loss": float(t[0]) / max(batches, 1),

@@ -330,6 +330,41 @@ def test_eta_is_the_recent_mean_step_time_times_the_steps_left():
         "0s", "42s", "3m20s", "1h00m", "1h02m", "24h01m"]
 
 
+def test_step_stats_sum_micro_batches_like_the_hand_computed_shares():
+    """StepStats keeps its sums on the device; reduce() gives the mean loss over global batches,
+    per-step accuracy (correct / count summed over micro-batches, not a mean of ratios) and
+    acceptance over all chains, as computed here by hand."""
+    from types import SimpleNamespace
+
+    from eagle3.loss import TTTOutput
+    from eagle3.training import StepStats
+
+    outs = [TTTOutput(torch.tensor(1.5), torch.zeros(3), torch.tensor([3, 2, 1]), torch.tensor([4, 4, 2]),
+                      torch.tensor([3, 1, 0]), torch.tensor(5)),
+            TTTOutput(torch.tensor(0.25), torch.zeros(3), torch.tensor([1, 1, 1]), torch.tensor([2, 2, 4]),
+                      torch.tensor([2, 2, 1]), torch.tensor(3))]
+    stats = StepStats(3)
+    for o in outs:
+        stats.add(o)
+    acc = SimpleNamespace(device=torch.device("cpu"), reduce=lambda t, reduction: t)
+    row = stats.reduce(acc, batches=2)
+    assert row["loss"] == pytest.approx((1.5 + 0.25) / 2)
+    assert row["acc"] == pytest.approx([4 / 6, 3 / 6, 2 / 6])
+    assert row["accept"] == pytest.approx([5 / 8, 3 / 8, 1 / 8]) and row["tokens"] == 6
+    assert row["tau3"] == pytest.approx(1 + 9 / 8)
+
+
+def test_a_non_finite_micro_batch_is_named_before_the_optimizer_steps(tmp_path):
+    """The loop checks its micro-batch losses once a step; the error names the first non-finite one's samples."""
+    import train
+
+    finite = [torch.tensor(0.5), torch.tensor(0.25)]
+    train.stop_if_not_finite(finite, [["a"], ["b"]], 3, tmp_path)                    # nothing to stop
+    with pytest.raises(SystemExit, match=r"non-finite loss inf at step 3 on samples \['c', 'd'\]"):
+        train.stop_if_not_finite([*finite, torch.tensor(float("inf")), torch.tensor(float("nan"))],
+                                 [["a"], ["b"], ["c", "d"], ["e"]], 3, tmp_path)
+
+
 def test_capture_implicit_false_stops_with_the_capture_command(tmp_path):
     """capture.implicit=false: a missing feature dataset is never captured by train.py, whatever the target."""
     p = run_train("+experiment=tiny", "capture.implicit=false", f"run_dir={tmp_path}/run",
