@@ -52,7 +52,8 @@ def stream_features(target_dir: Path, aux_layers: Sequence[int], target: TargetC
           f"budget {st.budget:,} bytes -> {st.root}", flush=True)
     produce(st.root, st.sched, train, st.heldout,
             lambda samples, out: run(samples, out, sum(len(x.input_ids) for x in samples)),
-            st.reserve, st.heldout_reserve, st.budget, orphaned=lambda: bool(parent) and os.getppid() != parent)
+            st.reserve, st.heldout_reserve, st.budget, orphaned=lambda: bool(parent) and os.getppid() != parent,
+            launched=bool(parent))
     return st.root
 
 

@@ -418,15 +418,17 @@ class ProducerLock:
 
 def produce(root: Path, sched: Schedule, train_samples: Sequence[Any], held_samples: Sequence[Any],
             capture: Callable[[Sequence[Any], Path], Path], reserve: Sequence[int], heldout_reserve: int,
-            budget: int, orphaned: Callable[[], bool] = lambda: False) -> None:
+            budget: int, orphaned: Callable[[], bool] = lambda: False, launched: bool = False) -> None:
     """Capture units into `root` as the trainer needs them, never holding more than `budget` bytes;
     returns when the trainer says it is done (or `orphaned()`: the launching trainer is gone).
-    capture(samples, out_dir) writes a finished one-shard feature dataset."""
+    capture(samples, out_dir) writes a finished one-shard feature dataset.
+    launched: started by the trainer it serves, which published `done: false` before starting it, so
+    any `done` read here is that trainer's own (one resumed at its last step is done at once)."""
     root = Path(root)
     lock = ProducerLock(root)
     say_full, say_idle, made, t0, tokens = Every(), Every(), 0, time.monotonic(), 0
     # a `done` already there is the previous trainer's: wait for a new one rather than stop
-    stale = (read_json(root / TRAINER) or {}).get("done", False)
+    stale = not launched and (read_json(root / TRAINER) or {}).get("done", False)
     try:
         for name in listing(root)[1]:                 # a killed producer's partial unit and trash
             shutil.rmtree(root / name, ignore_errors=True)

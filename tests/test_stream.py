@@ -138,9 +138,9 @@ def fake_stream(tmp_path, reuse, budget_units):
     st = Stream(tmp_path / "stream", sched, held, reserve, held_reserve, budget, {})
     st.root.mkdir()
 
-    def start_producer():
+    def start_producer(launched=False):
         thread = threading.Thread(target=produce, args=(st.root, sched, train, held, capture, reserve, held_reserve,
-                                                        budget), daemon=True)
+                                                        budget), kwargs={"launched": launched}, daemon=True)
         thread.start()
         return thread
     return st, train, start_producer
@@ -220,6 +220,24 @@ def test_a_producer_on_a_finished_stream_waits_for_the_next_trainer(tmp_path, ca
     finally:
         sampler.stop.set()
         sampler.join()
+
+
+def test_a_producer_launched_by_a_trainer_already_done_stops(tmp_path):
+    """A trainer resumed at its last step is done before the producer it launched reads trainer.json:
+    that `done` is its own trainer's, so the producer stops instead of waiting for a new trainer (the
+    trainer waits for it to exit: waiting would hang both)."""
+    st, train, start_producer = fake_stream(tmp_path, reuse=False, budget_units=0)
+    sampler = DirSampler(st.root)
+    sampler.start()
+    try:
+        start_producer()
+        read_steps(st, train, range(0, 17), sampler).close()
+    finally:
+        sampler.stop.set()
+        sampler.join()
+    launched = start_producer(launched=True)
+    launched.join(timeout=30)
+    assert not launched.is_alive()
 
 
 def test_budget_below_one_batchs_shards_is_refused_with_sizes_and_fix():
