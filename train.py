@@ -40,6 +40,7 @@ from eagle3.plots import plot_runs
 from capture.run import STREAM_PARENT_ENV, capture_features
 from capture.sglang_server import free_port
 from eagle3.targets import load_final_norm, load_head, prepare_target
+from eagle3.profiling import StepProfiler
 from eagle3.training import RATE_WINDOW, Logger, Objective, StepStats, eta_seconds
 from eagle3.vocab import DraftVocab, build_vocab, count_tokens
 
@@ -178,6 +179,8 @@ def main(cfg) -> None:
     t0, unigram = time.time(), None
     tokens_seen = torch.zeros((), dtype=torch.int64, device=device)
     recent = deque([(start - 1, t0)], maxlen=RATE_WINDOW + 1)    # (step, when it ended): the ETA's rate
+    prof = StepProfiler(c.train.profile_steps, start, run_dir / "profile", device, enabled=is_main)
+    prof.start()
     for step in range(start, total):
         lr = lr_at(step, total, c.optim.lr, c.optim.warmup_fraction, c.optim.min_lr_fraction)
         for g in optimizer.param_groups:
@@ -218,6 +221,8 @@ def main(cfg) -> None:
             log.write({"step": step, "split": "heldout", **row}, total)
         if (step + 1) % c.train.save_every == 0 and step + 1 < total:
             checkpoint.save(acc, run_dir, step + 1, vocab_path)
+        prof.step()
+    prof.stop()
 
     # ---- save, export, curves ----
     data.close()

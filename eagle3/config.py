@@ -125,6 +125,7 @@ class TrainConfig:
     # GPU runs repeat bit for bit (deterministic kernels, compile off; slower): a GPU's atomic adds and
     # autotuned kernels otherwise make two runs of the same steps differ in their last bits
     deterministic: bool = False
+    profile_steps: List[int] = field(default_factory=list)   # [first, last]: torch.profiler over them (eagle3/profiling.py)
     wandb: bool = True
 
 

@@ -365,6 +365,42 @@ def test_a_non_finite_micro_batch_is_named_before_the_optimizer_steps(tmp_path):
                                  [["a"], ["b"], ["c", "d"], ["e"]], 3, tmp_path)
 
 
+def test_profile_steps_write_a_trace_an_op_table_and_the_steps_wall_time(tiny_run, tmp_path):
+    """train.profile_steps=[3,4]: the profiler sees exactly those two steps (each runs the drafter's
+    forward as many times as it has micro-batches), and the run's metrics are the unprofiled run's."""
+    run = tmp_path / "run"
+    run_train("+experiment=tiny", f"run_dir={run}", f"data.features_dir={tiny_run}/features", "train.steps=6",
+              "train.save_every=100", "train.log_every=1", "train.eval_every=100", "train.profile_steps=[3,4]",
+              "train.micro_batch_size=2")
+    prof = run / "profile"
+    summary = json.loads((prof / "summary.json").read_text())
+    assert summary["steps"] == [3, 4] and 0 < summary["wall_s"] < 120
+    assert summary["ms_per_step"] == pytest.approx(1000 * summary["wall_s"] / 2)
+    names = [e.get("name", "") for e in json.loads((prof / "trace.json").read_text())["traceEvents"]
+             if e.get("ph") == "X"]
+    assert sorted(n for n in names if n.startswith("ProfilerStep#")) == ["ProfilerStep#3", "ProfilerStep#4"]
+    assert sum(n.startswith("Optimizer.step#") for n in names) == 2
+    # tiny: batch 4 in micro-batches of 2, so 2 steps x 2 micro-batches = 4 backward passes of the loss
+    assert names.count("_SoftCrossEntropyBackward") == 4
+    assert "Self CPU" in (prof / "ops.txt").read_text()
+    rows = {r["step"]: r["loss"] for r in metrics(run) if r["split"] == "train"}
+    plain = tmp_path / "plain"
+    run_train("+experiment=tiny", f"run_dir={plain}", f"data.features_dir={tiny_run}/features", "train.steps=6",
+              "train.save_every=100", "train.log_every=1", "train.eval_every=100", "train.micro_batch_size=2")
+    assert rows == {r["step"]: r["loss"] for r in metrics(plain) if r["split"] == "train"}
+
+
+def test_busy_seconds_is_the_union_of_kernel_intervals():
+    """Overlapping kernels count once, gaps not at all; CPU events are not GPU work (by hand: kernels
+    over [0, 10] and [5, 12] and [20, 25] us, a copy over [30, 31]: 12 + 5 + 1 = 18 us)."""
+    from eagle3.profiling import busy_seconds
+
+    ev = [{"ph": "X", "cat": "kernel", "ts": 5, "dur": 7}, {"ph": "X", "cat": "kernel", "ts": 0, "dur": 10},
+          {"ph": "X", "cat": "kernel", "ts": 20, "dur": 5}, {"ph": "X", "cat": "gpu_memcpy", "ts": 30, "dur": 1},
+          {"ph": "X", "cat": "cpu_op", "ts": 0, "dur": 100}, {"ph": "X", "cat": "kernel", "ts": 21, "dur": 2}]
+    assert busy_seconds(ev) == pytest.approx(18e-6)
+
+
 def test_capture_implicit_false_stops_with_the_capture_command(tmp_path):
     """capture.implicit=false: a missing feature dataset is never captured by train.py, whatever the target."""
     p = run_train("+experiment=tiny", "capture.implicit=false", f"run_dir={tmp_path}/run",

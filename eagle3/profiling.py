@@ -1,0 +1,100 @@
+"""train.profile_steps=[FIRST,LAST]: torch.profiler over those training steps, written to
+RUN_DIR/profile/ by the main process:
+
+    trace.json     the Chrome trace (chrome://tracing or https://ui.perfetto.dev)
+    ops.txt        the operators by their own device time (CPU time on a CPU run)
+    summary.json   wall time of the steps and, on a GPU, how much of it some kernel ran:
+                   gpu_busy_share near 1 means the GPU is the limit; well below it, the GPU waits
+                   for the host (launch overhead, host-side data work, a wait for a device value)
+
+    python train.py +experiment=kimi_k25 train.profile_steps=[20,22]
+
+The steps before FIRST run unprofiled (the one just before is the profiler's warm-up), and the
+profiler costs some speed itself, so the rates logged for these steps are not the run's.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+import torch
+
+
+class StepProfiler:
+    """start() before the loop, step() after each step, stop() after the loop; inert without steps."""
+
+    def __init__(self, steps: Optional[Sequence[int]], start: int, out_dir: Path, device: torch.device,
+                 enabled: bool = True):
+        self.prof, self.out_dir, self.cuda = None, Path(out_dir), device.type == "cuda"
+        if not enabled or not steps:
+            return
+        if len(steps) != 2 or steps[0] > steps[1] or steps[0] < 0:
+            raise ValueError(f"train.profile_steps={list(steps)}: expected [first, last] with 0 <= first <= last")
+        first, last = int(steps[0]), int(steps[1])
+        if last < start:
+            print(f"[train] train.profile_steps={list(steps)} lie before this run's first step {start}: not profiled")
+            return
+        first = max(first, start)
+        from torch.profiler import ProfilerActivity, profile, schedule
+
+        warmup = 1 if first > start else 0
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+        self.first, self.last, self.t0 = first, last, None
+        self.prof = profile(activities=activities, on_trace_ready=self._write,
+                            schedule=schedule(skip_first=first - start - warmup, wait=0, warmup=warmup,
+                                              active=last - first + 1, repeat=1))
+        self.step_no = start
+
+    def start(self) -> None:
+        if self.prof is not None:
+            self.prof.start()
+            if self.step_no == self.first:
+                self.t0 = time.perf_counter()
+
+    def step(self) -> None:
+        if self.prof is None:
+            return
+        if self.cuda and self.step_no in (self.first - 1, self.last):
+            torch.cuda.synchronize()          # the steps' wall time spans their kernels
+        self.step_no += 1
+        if self.step_no == self.first:
+            self.t0 = time.perf_counter()
+        elif self.step_no == self.last + 1:
+            self.wall = time.perf_counter() - self.t0
+        self.prof.step()
+
+    def stop(self) -> None:
+        if self.prof is not None:
+            self.prof.stop()
+            self.prof = None
+
+    def _write(self, prof) -> None:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        trace = self.out_dir / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        key = "self_device_time_total" if self.cuda else "self_cpu_time_total"
+        (self.out_dir / "ops.txt").write_text(prof.key_averages().table(sort_by=key, row_limit=50) + "\n")
+        steps = self.last - self.first + 1
+        summary = {"steps": [self.first, self.last], "wall_s": getattr(self, "wall", None)}
+        if self.cuda:
+            busy = busy_seconds(json.loads(trace.read_text()).get("traceEvents", []))
+            summary.update(gpu_busy_s=busy, gpu_busy_share=busy / summary["wall_s"] if summary["wall_s"] else None)
+        if summary["wall_s"]:
+            summary["ms_per_step"] = 1000 * summary["wall_s"] / steps
+        (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+        print(f"[train] profile of steps {self.first}-{self.last}: {self.out_dir} {json.dumps(summary)}", flush=True)
+
+
+def busy_seconds(events: List[dict]) -> float:
+    """Seconds during which at least one GPU kernel or copy ran: the union of their intervals."""
+    spans = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in events
+                   if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    total, end = 0.0, -float("inf")
+    for a, b in spans:
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total / 1e6
