@@ -41,7 +41,7 @@ from capture.run import STREAM_PARENT_ENV, capture_features
 from capture.sglang_server import free_port
 from eagle3.targets import load_final_norm, load_head, prepare_target
 from eagle3.profiling import StepProfiler
-from eagle3.training import RATE_WINDOW, Logger, Objective, StepStats, eta_seconds
+from eagle3.training import RATE_WINDOW, Logger, Objective, StepStats, eta_seconds, stop_if_not_finite
 from eagle3.vocab import DraftVocab, build_vocab, count_tokens
 
 config_schema.register()
@@ -236,16 +236,6 @@ def main(cfg) -> None:
               f"[train] curves: {curves}\n[train] metrics: {run_dir / 'metrics.jsonl'}")
     acc.wait_for_everyone()
     acc.end_training()
-
-
-def stop_if_not_finite(losses: list, sample_ids: list, step: int, run_dir: Path) -> None:
-    """Stop at a step whose micro-batch losses are not all finite, naming the first such micro-batch's
-    samples, before the optimizer steps on its gradients (DeepSpeed steps inside the last backward)."""
-    finite = torch.isfinite(torch.stack(losses)).tolist()
-    if not all(finite):
-        j = finite.index(False)
-        sys.exit(f"error: non-finite loss {float(losses[j])} at step {step} on samples {sample_ids[j]}; "
-                 f"the last good checkpoint in {run_dir / 'checkpoints'} is kept")
 
 
 def make_accelerator(c):

@@ -1,9 +1,11 @@
 """The pieces of train.py's loop: the drafter and its loss as one forward, the per-step statistics
-reduced over processes, and the metrics log with the run's progress (rate, elapsed, time left)."""
+reduced over processes, the stop at a non-finite loss, and the metrics log with the run's progress
+(rate, elapsed, time left)."""
 from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -62,6 +64,16 @@ class StepStats:
         return {"loss": float(t[0]) / max(batches, 1),
                 "acc": [float(a) for a in (correct / count.clamp(min=1))],
                 "tokens": int(count[0]), "accept": accept, "tau3": 1 + sum(accept[:3])}
+
+
+def stop_if_not_finite(losses: list, sample_ids: list, step: int, run_dir: Path) -> None:
+    """Stop at a step whose micro-batch losses are not all finite, naming the first such micro-batch's
+    samples, before the optimizer steps on its gradients (DeepSpeed steps inside the last backward)."""
+    finite = torch.isfinite(torch.stack(losses)).tolist()
+    if not all(finite):
+        j = finite.index(False)
+        sys.exit(f"error: non-finite loss {float(losses[j])} at step {step} on samples {sample_ids[j]}; "
+                 f"the last good checkpoint in {run_dir / 'checkpoints'} is kept")
 
 
 class Logger:

@@ -356,12 +356,12 @@ def test_step_stats_sum_micro_batches_like_the_hand_computed_shares():
 
 def test_a_non_finite_micro_batch_is_named_before_the_optimizer_steps(tmp_path):
     """The loop checks its micro-batch losses once a step; the error names the first non-finite one's samples."""
-    import train
+    from eagle3.training import stop_if_not_finite
 
     finite = [torch.tensor(0.5), torch.tensor(0.25)]
-    train.stop_if_not_finite(finite, [["a"], ["b"]], 3, tmp_path)                    # nothing to stop
+    stop_if_not_finite(finite, [["a"], ["b"]], 3, tmp_path)                    # nothing to stop
     with pytest.raises(SystemExit, match=r"non-finite loss inf at step 3 on samples \['c', 'd'\]"):
-        train.stop_if_not_finite([*finite, torch.tensor(float("inf")), torch.tensor(float("nan"))],
+        stop_if_not_finite([*finite, torch.tensor(float("inf")), torch.tensor(float("nan"))],
                                  [["a"], ["b"], ["c", "d"], ["e"]], 3, tmp_path)
 
 
