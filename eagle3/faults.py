@@ -20,6 +20,8 @@ faster): then that attempt's.
     regenerate  capture.regenerate_only=true on the tiny target   the regenerated JSONL, byte for byte
     train       train.py +experiment=tiny, then resume=true       the exported weights, and every metrics
                                                                   row (rate and ETA aside)
+    stream      the same with train.mode=stream: the kill takes   as train
+                the trainer and its producer down together
     export      python -m eagle3.export RUN_DIR                   the export's tensors and config.json
 
 A kill that finds the job already finished ends that run's kills. Data lost counts what differs from
@@ -50,9 +52,9 @@ import torch
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
-KINDS = ("capture", "sglang", "regenerate", "train", "export", "train_zero2")
+KINDS = ("capture", "sglang", "regenerate", "train", "stream", "export", "train_zero2")
 UNITS = {"capture": "samples", "sglang": "samples", "regenerate": "conversations", "train": "steps",
-         "export": "tensors", "train_zero2": "steps"}
+         "stream": "steps", "export": "tensors", "train_zero2": "steps"}
 GPU_KINDS = ("train_zero2",)           # DeepSpeed runs only under a GPU (accelerate's CPU mode bypasses it)
 SGLANG_JOB = ROOT / "tests" / "faults" / "sglang_job.py"   # the fake server lives with the tests
 # Sizes that keep one job to seconds on two CPU cores while still crossing several shards,
@@ -61,6 +63,8 @@ CAPTURE = ["+experiment=tiny", "capture.shard_tokens=2048", "capture.batch_token
 REGEN = ["+experiment=tiny", "capture.regenerate_only=true", "capture.regenerate=true", "data.num_samples=8",
          "capture.regen_max_new_tokens=16", "capture.regen_chunk=2", "capture.regen_batch_size=2"]
 TRAIN = ["+experiment=tiny", "train.steps=8", "train.save_every=2", "train.log_every=1", "train.eval_every=4"]
+# streaming: the same training fed by its in-process producer, 2,048-token shards within 5 MB
+STREAM = ["train.mode=stream", "capture.shard_tokens=2048", "data.disk_budget_gb=0.005"]
 VOLATILE = ("tok_s", "eta_s", "max_mem_gib")   # metrics that measure the machine or the process, not the run
 
 
@@ -166,6 +170,11 @@ class Harness:
         return ["train.py", *TRAIN, f"run_dir={run_dir}", f"data.features_dir={self.work / 'ref_features'}",
                 f"resume={str(resume).lower()}", *(["dist=zero2", "train.deterministic=true"] if zero2 else [])]
 
+    def stream_args(self, d: Path, resume: bool) -> List[str]:
+        """Training from a stream in d/stream, its producer capturing into it (no feature dataset)."""
+        return ["train.py", *TRAIN, *STREAM, f"run_dir={d / 'run'}", f"data.stream_dir={d / 'stream'}",
+                f"data.features_dir={d / 'features'}", f"resume={str(resume).lower()}"]
+
     def regen_dir(self) -> Path:
         return self.work / "cache" / "regen"
 
@@ -194,6 +203,10 @@ class Harness:
             shutil.rmtree(w / "ref_run", ignore_errors=True)
             self.typical["train"], self.writing["train"] = self.run(
                 self.train_args(w / "ref_run", False), "ref_train.log", w / "ref_run" / "metrics.jsonl")
+        if kind == "stream" and kind not in self.typical:
+            shutil.rmtree(w / "ref_stream", ignore_errors=True)
+            self.typical[kind], self.writing[kind] = self.run(
+                self.stream_args(w / "ref_stream", False), "ref_stream.log", w / "ref_stream" / "stream")
         if kind == "train_zero2" and kind not in self.typical:
             shutil.rmtree(w / "ref_run_zero2", ignore_errors=True)
             self.typical[kind], self.writing[kind] = self.run(
@@ -233,6 +246,13 @@ class Harness:
             return Job(self.train_args(d / "run", False), self.train_args(d / "run", True), d / "run" / "metrics.jsonl",
                        lambda: (d / "run" / "checkpoints" / "latest").exists(),
                        lambda: same_training(w / "ref_run", d / "run"))
+        if kind == "stream":            # watch the stream directory: the producer's first unit
+
+            def committed():
+                return (d / "run" / "checkpoints" / "latest").exists() or (
+                    (d / "stream").exists() and any((u / "manifest.json").exists() for u in (d / "stream").iterdir()))
+            return Job(self.stream_args(d, False), self.stream_args(d, True), d / "stream", committed,
+                       lambda: same_training(w / "ref_stream" / "run", d / "run"))
         if kind == "train_zero2":       # the same, DeepSpeed ZeRO-2 at world size 1 writing the checkpoints
             return Job(self.train_args(d / "run", False, True), self.train_args(d / "run", True, True),
                        d / "run" / "metrics.jsonl", lambda: (d / "run" / "checkpoints" / "latest").exists(),
