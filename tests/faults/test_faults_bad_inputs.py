@@ -246,6 +246,6 @@ def test_zero2_kills_need_a_gpu_and_say_so(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="--kinds train_zero2 needs a GPU"):
         faults.main(["--kinds", "train_zero2", "--runs", "1", "--work", str(tmp_path)])
     assert not (tmp_path / "ref_features").exists()                 # refused before any reference ran
-    assert faults.default_kinds() == ["capture", "sglang", "regenerate", "train", "export"]
+    assert faults.default_kinds() == ["capture", "sglang", "regenerate", "train", "stream", "export"]
     monkeypatch.setattr(faults.torch.cuda, "is_available", lambda: True)
     assert faults.default_kinds()[-1] == "train_zero2"
