@@ -28,6 +28,7 @@ class StepProfiler:
     def __init__(self, steps: Optional[Sequence[int]], start: int, out_dir: Path, device: torch.device,
                  enabled: bool = True):
         self.prof, self.out_dir, self.cuda = None, Path(out_dir), device.type == "cuda"
+        self.t0 = self.wall = None                # perf_counter at the first profiled step; its steps' seconds
         if not enabled or not steps:
             return
         if len(steps) != 2 or steps[0] > steps[1] or steps[0] < 0:
@@ -41,7 +42,7 @@ class StepProfiler:
 
         warmup = 1 if first > start else 0
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
-        self.first, self.last, self.t0 = first, last, None
+        self.first, self.last = first, last
         self.prof = profile(activities=activities, on_trace_ready=self._write,
                             schedule=schedule(skip_first=first - start - warmup, wait=0, warmup=warmup,
                                               active=last - first + 1, repeat=1))
@@ -77,7 +78,7 @@ class StepProfiler:
         key = "self_device_time_total" if self.cuda else "self_cpu_time_total"
         (self.out_dir / "ops.txt").write_text(prof.key_averages().table(sort_by=key, row_limit=50) + "\n")
         steps = self.last - self.first + 1
-        summary = {"steps": [self.first, self.last], "wall_s": getattr(self, "wall", None)}
+        summary = {"steps": [self.first, self.last], "wall_s": self.wall}
         if self.cuda:
             busy = busy_seconds(json.loads(trace.read_text()).get("traceEvents", []))
             summary.update(gpu_busy_s=busy, gpu_busy_share=busy / summary["wall_s"] if summary["wall_s"] else None)
