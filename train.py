@@ -31,7 +31,7 @@ from eagle3 import chat, checkpoint, config as config_schema, fused
 from eagle3.data import is_heldout
 from eagle3.export import write_export
 from eagle3.features import Batch, FeatureDataset, check_compatible, check_draft_vocab, collate, template_sha256
-from eagle3.loss import TTTOutput, batch_teacher, step_counts, unigram_correct
+from eagle3.loss import CountedRows, TTTOutput, batch_teacher, unigram_correct
 from eagle3.losses import check_loss
 from eagle3.model import Eagle3Drafter, drafter_shape
 from eagle3.optim import adamw, clip_grad_norm
@@ -40,7 +40,7 @@ from eagle3.plots import plot_runs
 from capture.run import STREAM_PARENT_ENV, capture_features
 from capture.sglang_server import free_port
 from eagle3.targets import load_final_norm, load_head, prepare_target
-from eagle3.profiling import StepProfiler
+from eagle3.profiling import StepProfiler, phase
 from eagle3.training import RATE_WINDOW, Logger, Objective, StepStats, eta_seconds, stop_if_not_finite
 from eagle3.vocab import DraftVocab, build_vocab, count_tokens
 
@@ -156,23 +156,26 @@ def main(cfg) -> None:
     # micro-batch's loss is already its share of the global batch's loss, so undo both.
     grad_scale = world * (per_rank // micro if use_ds else 1)
 
+    t2d = vocab.t2d.to(device)
+
     def prepare(indices):
-        """This rank's micro-batches of one global batch with their teachers, and the per-step counts
-        of the whole global batch: every micro-batch on every rank divides by the same counts, so the
-        shares add up to exactly the loss a single process would compute on the global batch."""
+        """This rank's micro-batches of one global batch as (batch, teacher, counted rows), and the
+        per-step counts of the whole global batch: every micro-batch on every rank divides by the same
+        counts, so the shares add up to exactly the loss a single process would compute on the global
+        batch. All the micro-batches' counted rows are found here, before any forward is queued: a
+        micro-batch's loss needs their number on the host, and it is there long before its turn."""
         parts = []
         for m in range(0, len(indices), micro):
             bt = data.make_batch(indices[m:m + micro]).to(device, compute_dtype)
-            parts.append((bt, batch_teacher(bt, lm_head, vocab.draft_ids)))
-        counts = torch.zeros(S, dtype=torch.int64, device=device)
-        for bt, (_, top, *_) in parts:
-            counts += step_counts(bt.loss_mask, bt.attention_mask, top, vocab.t2d, S)
+            teacher = batch_teacher(bt, lm_head, vocab.draft_ids)
+            parts.append((bt, teacher, CountedRows(bt.loss_mask, bt.attention_mask.bool(), teacher[1], t2d, S)))
+        counts = sum(counted.count for _, _, counted in parts)
         return parts, acc.reduce(counts, reduction="sum").clamp(min=1)
 
-    def run_loss(bt, teacher, norm):
+    def run_loss(bt, teacher, counted, norm):
         with acc.autocast():
             return TTTOutput(*model(bt.input_ids, bt.loss_mask, bt.attention_mask, bt.aux, bt.final, lm_head,
-                                    teacher, norm))
+                                    teacher, norm, counted))
 
     # ---- the loop ----
     # the tokens trained on stay a device count, read at log time (see StepStats)
@@ -187,24 +190,28 @@ def main(cfg) -> None:
             g["lr"] = lr
         model.train()
         stats = StepStats(S, device)
-        parts, norm = prepare(batch_of(step)[shard])
+        with phase("data"):
+            parts, norm = prepare(batch_of(step)[shard])
         losses = []
-        for j, (bt, teacher) in enumerate(parts):
-            out = run_loss(bt, teacher, norm)
-            losses.append(out.loss.detach())
+        for j, (bt, teacher, counted) in enumerate(parts):
+            with phase("forward"):
+                out = run_loss(bt, teacher, counted, norm)
+                losses.append(out.loss.detach())
             if j == len(parts) - 1:   # the step's one wait for the GPU, before the last backward can step
-                stop_if_not_finite(losses, [b.sample_ids for b, _ in parts], step, run_dir)
-            acc.backward(out.loss * grad_scale)
+                stop_if_not_finite(losses, [b.sample_ids for b, _, _ in parts], step, run_dir)
+            with phase("backward"):   # DeepSpeed steps the optimizer inside the last one
+                acc.backward(out.loss * grad_scale)
             stats.add(out)
             tokens_seen += bt.attention_mask.sum()
         del parts
-        if not use_ds and c.optim.grad_clip > 0:
-            if acc.scaler is None:
-                clip_grad_norm(optimizer, trainable, c.optim.grad_clip)
-            else:   # fp16: the loss scaler unscales the gradients itself
-                acc.clip_grad_norm_(trainable, c.optim.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        with phase("optimizer"):
+            if not use_ds and c.optim.grad_clip > 0:
+                if acc.scaler is None:
+                    clip_grad_norm(optimizer, trainable, c.optim.grad_clip)
+                else:   # fp16: the loss scaler unscales the gradients itself
+                    acc.clip_grad_norm_(trainable, c.optim.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         recent.append((step, time.time()))
 
         if step % c.train.log_every == 0 or step == total - 1:
@@ -451,8 +458,8 @@ def heldout_eval(acc, prepare, run_loss, held: list[int], t, shard: slice, vocab
     with torch.no_grad():
         for gb in batches:
             parts, norm = prepare(gb[shard])
-            for bt, teacher in parts:
-                stats.add(run_loss(bt, teacher, norm))
+            for bt, teacher, counted in parts:
+                stats.add(run_loss(bt, teacher, counted, norm))
                 if unigram is None:
                     uni += torch.tensor(unigram_correct(bt.loss_mask, bt.attention_mask, teacher[1], vocab,
                                                         int(vocab.counts.argmax())), device=acc.device)

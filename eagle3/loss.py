@@ -157,7 +157,8 @@ def ttt_loss(drafter: Eagle3Drafter, input_ids: torch.Tensor, loss_mask: torch.T
              attention_mask: torch.Tensor, aux: torch.Tensor, final: torch.Tensor,
              target_lm_head: torch.Tensor, vocab: DraftVocab, ttt_steps: int = 7,
              decay: float = 0.8, teacher: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
-             norm: Optional[torch.Tensor] = None, loss: str = "soft_ce") -> TTTOutput:
+             norm: Optional[torch.Tensor] = None, loss: str = "soft_ce",
+             counted: Optional["CountedRows"] = None) -> TTTOutput:
     """input_ids, loss_mask, attention_mask [B, T] (right padding); aux [B, T, k*Ht];
     final [B, T, Ht] (post-norm target hidden); target_lm_head [V, Ht]. See the module doc.
     loss: one of eagle3.losses.LOSSES; soft_ce runs fused, the others in plain torch over the
@@ -167,7 +168,8 @@ def ttt_loss(drafter: Eagle3Drafter, input_ids: torch.Tensor, loss_mask: torch.T
     (p, top, mass) of a stored teacher, when final may be None. norm [S]: divide step s's
     summed loss by norm[s] instead of this batch's count, so micro-batches and data-parallel ranks add
     up to the loss of the whole global batch (train.py passes the global counts); per_step_loss
-    stays this batch's mean."""
+    stays this batch's mean. counted: this batch's CountedRows, when the caller built it earlier
+    (train.py builds a whole step's at its start, so that no micro-batch but the first waits for it)."""
     check_loss(loss)
     B, T = input_ids.shape
     dev = input_ids.device
@@ -184,7 +186,8 @@ def ttt_loss(drafter: Eagle3Drafter, input_ids: torch.Tensor, loss_mask: torch.T
 
     # Rows to count are data, and shapes follow them: how many there are reaches the host without
     # a wait (CountedRows), long after the GPU found them, as all layer steps are queued first.
-    counted = CountedRows(loss_mask, real, top, t2d, ttt_steps)
+    if counted is None:
+        counted = CountedRows(loss_mask, real, top, t2d, ttt_steps)
     hs, h = _unroll(drafter, input_ids, aux, ttt_steps, w)
 
     # The heads of all steps at once: each op runs once over every step's counted rows (step-major)

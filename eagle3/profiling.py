@@ -2,10 +2,15 @@
 RUN_DIR/profile/ by the main process:
 
     trace.json     the Chrome trace (chrome://tracing or https://ui.perfetto.dev)
-    ops.txt        the operators by their own device time (CPU time on a CPU run)
+    ops.txt        the operators by their own device time (on a GPU), then by their own host time
     summary.json   wall time of the steps and, on a GPU, how much of it some kernel ran:
                    gpu_busy_share near 1 means the GPU is the limit; well below it, the GPU waits
-                   for the host (launch overhead, host-side data work, a wait for a device value)
+                   for the host (launch overhead, host-side data work, a wait for a device value).
+                   host_ms_per_step: the host's time in each phase of a step (data: batches, their
+                   teachers and counted rows; forward; backward; optimizer), wait_ms_per_step: its
+                   time blocked in CUDA synchronisation calls, by call, and launches_per_step: the
+                   kernels it queued. A phase whose host time exceeds the GPU's work in it, or a
+                   large wait followed by an idle GPU, is where to look.
 
     python train.py +experiment=kimi_k25 train.profile_steps=[20,22]
 
@@ -75,15 +80,19 @@ class StepProfiler:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         trace = self.out_dir / "trace.json"
         prof.export_chrome_trace(str(trace))
-        key = "self_device_time_total" if self.cuda else "self_cpu_time_total"
-        (self.out_dir / "ops.txt").write_text(prof.key_averages().table(sort_by=key, row_limit=50) + "\n")
+        ops = prof.key_averages()
+        tables = ([ops.table(sort_by="self_device_time_total", row_limit=50)] if self.cuda else []) + \
+            [ops.table(sort_by="self_cpu_time_total", row_limit=50)]
+        (self.out_dir / "ops.txt").write_text("\n\n".join(tables) + "\n")
         steps = self.last - self.first + 1
         summary = {"steps": [self.first, self.last], "wall_s": self.wall}
+        events = json.loads(trace.read_text()).get("traceEvents", [])
         if self.cuda:
-            busy = busy_seconds(json.loads(trace.read_text()).get("traceEvents", []))
+            busy = busy_seconds(events)
             summary.update(gpu_busy_s=busy, gpu_busy_share=busy / summary["wall_s"] if summary["wall_s"] else None)
         if summary["wall_s"]:
             summary["ms_per_step"] = 1000 * summary["wall_s"] / steps
+        summary.update(host_summary(events, steps))
         (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
         print(f"[train] profile of steps {self.first}-{self.last}: {self.out_dir} {json.dumps(summary)}", flush=True)
 
@@ -99,3 +108,34 @@ def busy_seconds(events: List[dict]) -> float:
         total += b - max(a, end)
         end = b
     return total / 1e6
+
+
+PHASES = ("data", "forward", "backward", "optimizer")
+# CUDA runtime calls in which the host blocks until the device has run what was queued before them
+WAITS = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+         "cudaStreamWaitEvent")
+
+
+def phase(name: str):
+    """A named span of a training step (one of PHASES) in the profiler's trace; inert without a profiler."""
+    return torch.profiler.record_function(f"train/{name}")
+
+
+def host_summary(events: List[dict], steps: int) -> dict:
+    """Per step, from a Chrome trace's events: the host's milliseconds in each phase (the union of
+    its spans, so nested spans count once), in each blocking CUDA call, and the kernels it launched."""
+    def ms(spans):
+        total, end = 0.0, -float("inf")
+        for a, b in sorted(spans):
+            if b > end:
+                total, end = total + b - max(a, end), b
+        return round(total / 1e3 / max(steps, 1), 3)
+
+    cpu = [e for e in events if e.get("ph") == "X"]
+    host = {p: ms([(e["ts"], e["ts"] + e.get("dur", 0)) for e in cpu
+                   if e.get("cat") == "user_annotation" and e.get("name") == f"train/{p}"]) for p in PHASES}
+    runtime = [e for e in cpu if e.get("cat") in ("cuda_runtime", "cuda_driver")]
+    waits = {w: ms([(e["ts"], e["ts"] + e.get("dur", 0)) for e in runtime if e.get("name") == w]) for w in WAITS}
+    launches = sum("LaunchKernel" in e.get("name", "") for e in runtime)
+    return {"host_ms_per_step": host, "wait_ms_per_step": {w: v for w, v in waits.items() if v},
+            "launches_per_step": round(launches / max(steps, 1), 1)}

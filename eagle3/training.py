@@ -27,10 +27,11 @@ class Objective(torch.nn.Module):
         super().__init__()
         self.drafter, self.vocab, self.ttt_steps, self.decay, self.loss = drafter, vocab, ttt_steps, decay, loss
 
-    def forward(self, input_ids, loss_mask, attention_mask, aux, final, lm_head, teacher=None, norm=None):
+    def forward(self, input_ids, loss_mask, attention_mask, aux, final, lm_head, teacher=None, norm=None,
+                counted=None):
         out = ttt_loss(self.drafter, input_ids, loss_mask, attention_mask, aux, final, lm_head, self.vocab,
                        ttt_steps=self.ttt_steps, decay=self.decay, teacher=teacher, norm=norm,
-                       loss=self.loss)
+                       loss=self.loss, counted=counted)
         # a plain tuple: ZeRO-3's backward hooks find tensors only in tuples, lists and dicts
         return out.loss, out.per_step_loss, out.correct, out.count, out.accepted, out.chained
 

@@ -383,6 +383,10 @@ def test_profile_steps_write_a_trace_an_op_table_and_the_steps_wall_time(tiny_ru
     # tiny: batch 4 in micro-batches of 2, so 2 steps x 2 micro-batches = 4 backward passes of the loss
     assert names.count("_SoftCrossEntropyBackward") == 4
     assert "Self CPU" in (prof / "ops.txt").read_text()
+    # every phase ran on the host, inside the steps' wall time; a CPU run launches no kernels
+    host = summary["host_ms_per_step"]
+    assert set(host) == {"data", "forward", "backward", "optimizer"} and all(v > 0 for v in host.values())
+    assert sum(host.values()) <= summary["ms_per_step"] and summary["launches_per_step"] == 0
     rows = {r["step"]: r["loss"] for r in metrics(run) if r["split"] == "train"}
     plain = tmp_path / "plain"
     run_train("+experiment=tiny", f"run_dir={plain}", f"data.features_dir={tiny_run}/features", "train.steps=6",
@@ -399,6 +403,27 @@ def test_busy_seconds_is_the_union_of_kernel_intervals():
           {"ph": "X", "cat": "kernel", "ts": 20, "dur": 5}, {"ph": "X", "cat": "gpu_memcpy", "ts": 30, "dur": 1},
           {"ph": "X", "cat": "cpu_op", "ts": 0, "dur": 100}, {"ph": "X", "cat": "kernel", "ts": 21, "dur": 2}]
     assert busy_seconds(ev) == pytest.approx(18e-6)
+
+
+def test_host_summary_counts_each_phase_and_wait_once_per_step():
+    """By hand, over 2 steps: forward spans [0, 4] ms and [2, 6] ms (nested: 6 ms) and [10, 12] ms;
+    data [20, 21] ms; a stream sync of 3 ms twice; three launches. Per step: forward 4, data 0.5,
+    waits 3, launches 1.5; GPU-side annotations and other phases' names do not count."""
+    from eagle3.profiling import host_summary
+
+    def x(name, cat, a, b):
+        return {"ph": "X", "cat": cat, "name": name, "ts": a * 1e3, "dur": (b - a) * 1e3}
+
+    ev = [x("train/forward", "user_annotation", 0, 4), x("train/forward", "user_annotation", 2, 6),
+          x("train/forward", "user_annotation", 10, 12), x("train/data", "user_annotation", 20, 21),
+          x("train/forward", "gpu_user_annotation", 0, 50), x("train/other", "user_annotation", 0, 9),
+          x("cudaStreamSynchronize", "cuda_runtime", 30, 33), x("cudaStreamSynchronize", "cuda_runtime", 40, 43),
+          x("cudaLaunchKernel", "cuda_runtime", 1, 1.01), x("cudaLaunchKernel", "cuda_runtime", 2, 2.01),
+          x("cuLaunchKernelEx", "cuda_driver", 3, 3.01), x("aten::mm", "cpu_op", 0, 99)]
+    got = host_summary(ev, steps=2)
+    assert got["host_ms_per_step"] == {"data": 0.5, "forward": 4.0, "backward": 0.0, "optimizer": 0.0}
+    assert got["wait_ms_per_step"] == {"cudaStreamSynchronize": 3.0}
+    assert got["launches_per_step"] == 1.5
 
 
 def test_capture_implicit_false_stops_with_the_capture_command(tmp_path):
