@@ -33,7 +33,7 @@ its run directory WORK/runs/NAME:
     kimi_zero3_*   (2+ GPUs) the Kimi-size drafter (conf/experiment/kimi_dims.yaml) under ZeRO-3,
                    1 GPU against 2: losses, tokens/s and memory per GPU
 A job starts once its dependencies have finished; at most --per-gpu jobs share a GPU, and timed jobs
-run alone on theirs. WORK/status.json says what ran, for how long, and how it ended. Rerunning skips
+run alone on theirs. A job that runs out of GPU memory runs again, once, when fewer jobs share its GPU. WORK/status.json says what ran, for how long, and how it ended. Rerunning skips
 jobs already done; --only runs a subset (a dependency left out counts as done; the scale and long
 runs then need --answers, a regenerated-answers file from regen_all).
 """
@@ -67,6 +67,8 @@ class Job:
     gpu_ids: List[int] = field(default_factory=list)
     t0: float = 0.0
     t1: float = 0.0
+    retried: bool = False                         # ran out of GPU memory once and was queued again
+    crowd: int = 0                                # then: it starts only with fewer jobs on its GPU than this
 
 
 def prompts_prefix(answers: Path, n_prompts: int) -> int:
@@ -97,7 +99,9 @@ LONG = {
         "long_b64_e10_g32": ["train.batch_size=64", "optim.lr=2e-3", "train.epochs=10", "train.length_groups=32"],
         "long_b32_e10_g32": ["train.batch_size=32", "optim.lr=1.5e-3", "train.epochs=10",   # the committed drafter
                              "train.length_groups=32"],
-        # the committed recipe with the ablations' winners: the LK loss and EAGLE-3.1's norms
+        # the committed recipe with EAGLE-3.1's norms, and with the LK loss too
+        "long_norms_b32_e10_g32": ["train.batch_size=32", "optim.lr=1.5e-3", "train.epochs=10",
+                                   "train.length_groups=32", "drafter.fc_norm=true", "drafter.norm_output=true"],
         "long_lk_norms_b32_e10_g32": ["train.batch_size=32", "optim.lr=1.5e-3", "train.epochs=10",
                                       "train.length_groups=32", "train.loss=lk", "drafter.fc_norm=true",
                                       "drafter.norm_output=true"]}
@@ -206,6 +210,14 @@ def _answers_from_log(log: Path) -> Path:
     raise RuntimeError(f"no answer file: regen_all has not run ({log}); give one with --answers")
 
 
+def out_of_memory(log: Path) -> bool:
+    """Did the job's process stop because a GPU allocation failed (torch's message in its log)?"""
+    try:
+        return "CUDA out of memory" in log.read_text(errors="replace")[-20000:]
+    except OSError:
+        return False
+
+
 def run(jobs: List[Job], work: Path, gpus: int, per_gpu: int) -> None:
     status_path = work / "status.json"
     slots = [per_gpu] * max(gpus, 1)             # free job slots per GPU
@@ -220,6 +232,9 @@ def run(jobs: List[Job], work: Path, gpus: int, per_gpu: int) -> None:
     def cost(j):
         return per_gpu if j.exclusive else 1
 
+    def sharing(g):
+        return sum(k.state == "run" and g in k.gpu_ids for k in jobs)
+
     while any(j.state in ("wait", "run") for j in jobs):
         for j in jobs:
             if j.state == "run" and j.proc.poll() is not None:
@@ -227,6 +242,13 @@ def run(jobs: List[Job], work: Path, gpus: int, per_gpu: int) -> None:
                 for g in j.gpu_ids:
                     slots[g] += cost(j)
                 print(f"[reproduce] {j.name} {j.state} after {j.t1 - j.t0:.0f}s", flush=True)
+                others = min((sharing(g) for g in j.gpu_ids), default=0)
+                if j.state == "fail" and not j.retried and others and \
+                        out_of_memory(work / "logs" / f"{j.name}.log"):
+                    # the jobs beside it took the memory: once, it runs again with fewer of them
+                    j.retried, j.state, j.crowd = True, "wait", others + 1
+                    print(f"[reproduce] {j.name} ran out of GPU memory beside {j.crowd - 1} other job(s): "
+                          f"it runs again once fewer share its GPU", flush=True)
         states = {j.name: j.state for j in jobs}
         for j in jobs:
             if j.state != "wait":
@@ -242,6 +264,8 @@ def run(jobs: List[Job], work: Path, gpus: int, per_gpu: int) -> None:
             want = n if j.gpus == 0 else min(j.gpus, n)
             order = sorted(range(n), key=lambda k: -slots[k])[:want]
             if len(order) < want or any(slots[g] < cost(j) for g in order):
+                continue
+            if j.retried and any(sharing(g) >= j.crowd - 1 for g in order):
                 continue
             ids = sorted(order)
             try:
@@ -259,7 +283,7 @@ def run(jobs: List[Job], work: Path, gpus: int, per_gpu: int) -> None:
                        OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
             if gpus:
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, ids))
-            log = open(work / "logs" / f"{j.name}.log", "w")
+            log = open(work / "logs" / f"{j.name}.log", "a" if j.retried else "w")
             log.write(shlex.join(cmd) + "\n")
             log.flush()
             j.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)

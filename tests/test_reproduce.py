@@ -74,3 +74,38 @@ def test_dry_run_ablation_trains_and_is_judged_at_both_chains(tmp_path):
     rep = json.loads((work / "runs" / "eval_abl_lk" / "eval" / "report.json").read_text())
     assert sorted(r["num_steps"] for r in rep["results"]) == [3, 7]
     assert all(r["drafter"] == "abl_lk" and r["num_drafts"] > 0 for r in rep["results"])
+
+
+def test_a_job_out_of_gpu_memory_runs_again_once_with_fewer_beside_it(tmp_path):
+    """`oom` fails with torch's message while two others run, is queued again and starts only after
+    one of them ended; `hopeless` runs out of memory again on its second start and fails; a job
+    that ran out of memory with its GPU to itself is not retried."""
+    from reproduce_smollm2 import Job, run as run_jobs
+
+    (tmp_path / "logs").mkdir()
+    flag = tmp_path / "oom_once"
+
+    def py(code):
+        return [sys.executable, "-c", code]
+
+    oom_once = (f"import pathlib, sys, time; time.sleep(1); f = pathlib.Path({str(flag)!r})\n"
+                "if not f.exists():\n    f.touch(); print('torch.OutOfMemoryError: CUDA out of memory.'); sys.exit(1)\n"
+                "print('trained')")
+    jobs = [Job("short", py("import time; time.sleep(4)"), gpus=0),
+            Job("long", py("import time; time.sleep(8)"), gpus=0),
+            Job("oom", py(oom_once), gpus=0)]
+    run_jobs(jobs, tmp_path, gpus=0, per_gpu=4)
+    short, long, oom = jobs
+    assert [j.state for j in jobs] == ["ok", "ok", "ok"] and oom.retried and oom.crowd == 3
+    assert short.t1 <= oom.t0 < long.t1                        # restarted once a neighbour had ended
+    log = (tmp_path / "logs" / "oom.log").read_text()
+    assert "CUDA out of memory" in log and "trained" in log     # both attempts kept in its log
+
+    jobs = [Job("hopeless", py("import sys, time; time.sleep(1); print('CUDA out of memory'); sys.exit(1)"),
+                gpus=0), Job("beside", py("import time; time.sleep(3)"), gpus=0),
+            Job("alone", py("import sys; print('CUDA out of memory'); sys.exit(1)"), gpus=0, exclusive=True,
+                after=["hopeless", "beside"])]
+    run_jobs(jobs, tmp_path, gpus=0, per_gpu=4)
+    hopeless, beside, alone = jobs
+    assert hopeless.state == "fail" and hopeless.retried and hopeless.t0 >= beside.t1
+    assert alone.state == "fail" and not alone.retried
