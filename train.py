@@ -30,7 +30,8 @@ from omegaconf import OmegaConf
 from eagle3 import chat, checkpoint, config as config_schema, fused
 from eagle3.data import is_heldout
 from eagle3.export import write_export
-from eagle3.features import Batch, FeatureDataset, check_compatible, check_draft_vocab, collate, template_sha256
+from eagle3.batch import Batch, collate
+from eagle3.features import FeatureDataset, check_compatible, check_draft_vocab, template_sha256
 from eagle3.loss import CountedRows, TTTOutput, batch_teacher, unigram_correct
 from eagle3.losses import check_loss
 from eagle3.model import Eagle3Drafter, drafter_shape

@@ -16,7 +16,7 @@ from typing import Dict, Sequence, Tuple
 import torch
 from torch import nn
 
-from eagle3.features import Batch
+from eagle3.batch import Batch
 
 
 def decoder_parts(model: nn.Module) -> Tuple[nn.Module, nn.ModuleList]:

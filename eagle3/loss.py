@@ -52,7 +52,7 @@ def target_teacher(final: torch.Tensor, target_lm_head: torch.Tensor, draft_ids:
 
 @torch.no_grad()
 def batch_teacher(batch, target_lm_head: torch.Tensor, draft_ids: torch.Tensor) -> tuple:
-    """The teacher of a features.Batch, as ttt_loss's `teacher`: target_teacher of its final states
+    """The teacher of a batch.Batch, as ttt_loss's `teacher`: target_teacher of its final states
     (p, top), or a compact dataset's stored teacher (p, top, mass), its top-K probabilities spread
     over the draft vocab and renormalised (eagle3/codec.py stores it)."""
     if batch.teacher is None:

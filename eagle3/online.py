@@ -9,7 +9,7 @@ import torch
 
 from eagle3.config import CaptureConfig, DataConfig, TargetConfig
 from eagle3.data import load_samples
-from eagle3.features import Batch
+from eagle3.batch import Batch
 from eagle3.hidden import capture_batch, pad_right
 from eagle3.targets import load_target_model
 

@@ -32,7 +32,8 @@ import torch
 from eagle3 import codec
 from eagle3.config import CaptureConfig, DataConfig, TrainConfig
 from eagle3.durable import write_text
-from eagle3.features import FeatureDataset, FeatureDatasetError, collate, plan_shards
+from eagle3.batch import collate
+from eagle3.features import FeatureDataset, FeatureDatasetError, plan_shards
 from eagle3.shards import AUX_DTYPES, FLOAT_DTYPES, header_bytes, layout
 
 GB = 10 ** 9                       # data.disk_budget_gb counts decimal gigabytes

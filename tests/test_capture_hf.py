@@ -25,7 +25,8 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, L
 
 from capture.hf import hf_meta, plan_batches, run_capture
 from eagle3.hidden import capture_batch, capture_hidden, decoder_parts, pad_right
-from eagle3.features import FeatureDataset, FeatureDatasetError, collate
+from eagle3.batch import collate
+from eagle3.features import FeatureDataset, FeatureDatasetError
 
 ROOT = Path(__file__).resolve().parents[1]
 BF16_RTOL = 2 ** -7

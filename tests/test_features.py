@@ -12,8 +12,9 @@ import pytest
 import torch
 from safetensors.numpy import load_file
 
-from eagle3.features import (Batch, FeatureDataset, FeatureDatasetError, FeatureWriter, check_compatible,
-                             collate, make_meta, open_capture, plan_shards)
+from eagle3.batch import Batch, collate
+from eagle3.features import (FeatureDataset, FeatureDatasetError, FeatureWriter, check_compatible, make_meta,
+                             open_capture, plan_shards)
 
 K, H = 3, 8
 
