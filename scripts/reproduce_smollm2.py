@@ -99,8 +99,8 @@ LONG = {
         "long_b64_e10_g32": ["train.batch_size=64", "optim.lr=2e-3", "train.epochs=10", "train.length_groups=32"],
         "long_b32_e10_g32": ["train.batch_size=32", "optim.lr=1.5e-3", "train.epochs=10",   # the committed drafter
                              "train.length_groups=32"],
-        # the committed recipe with EAGLE-3.1's norms, and with the LK loss too
-        "long_norms_b32_e10_g32": ["train.batch_size=32", "optim.lr=1.5e-3", "train.epochs=10",
+        # the committed recipe with EAGLE-3.1's norms, trained twice as long; and with the LK loss
+        "long_norms_b32_e20_g32": ["train.batch_size=32", "optim.lr=1.5e-3", "train.epochs=20",
                                    "train.length_groups=32", "drafter.fc_norm=true", "drafter.norm_output=true"],
         "long_lk_norms_b32_e10_g32": ["train.batch_size=32", "optim.lr=1.5e-3", "train.epochs=10",
                                       "train.length_groups=32", "train.loss=lk", "drafter.fc_norm=true",
