@@ -15,10 +15,8 @@ from typing import Any, Callable, Sequence
 from eagle3.codec import FeatureFormat
 from eagle3.config import CaptureConfig, DataConfig, TargetConfig, TrainConfig
 from eagle3.data import load_samples
+from eagle3.stream import STREAM_PARENT_ENV
 from eagle3.targets import load_target_model, model_dtype, pick_device, target_info
-
-# train.py sets it on the producer it launches: the producer stops when that trainer is gone
-STREAM_PARENT_ENV = "EAGLE3_STREAM_PARENT"
 
 
 def capture_features(target_dir: Path, aux_layers: Sequence[int], target: TargetConfig, data: DataConfig,

@@ -109,7 +109,7 @@ class TrainConfig:
     epochs: float = 1.0
     batch_size: int = 4                       # sequences per optimizer step (global)
     micro_batch_size: int = 0                 # 0 = batch_size / world size (no accumulation)
-    length_groups: int = 0                    # >1: batches of similar length, sorted within runs of this many batches (train.batch_indices)
+    length_groups: int = 0                    # >1: batches of similar length, sorted within runs of this many batches (eagle3.sources.batch_indices)
     ttt_steps: int = 7
     step_decay: float = 0.8
     loss: str = "soft_ce"                     # soft_ce | kl | tv | jsd | lk | lk_alpha (eagle3/losses.py, docs/ttt.md)

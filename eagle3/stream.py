@@ -40,6 +40,8 @@ GB = 10 ** 9                       # data.disk_budget_gb counts decimal gigabyte
 POLL = 0.05                        # seconds between looks at the directory while waiting
 SAY_EVERY = 30.0                   # seconds between two "waiting" messages of one kind
 HELDOUT = "heldout"
+# set by a trainer on the producer it launches: the producer stops when that trainer is gone
+STREAM_PARENT_ENV = "EAGLE3_STREAM_PARENT"
 STREAM, TRAINER, PRODUCER, LOCK = "stream.json", "trainer.json", "producer.json", "producer.lock"
 
 

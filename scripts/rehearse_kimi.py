@@ -185,13 +185,13 @@ def train_figures(run_dir: Path, features: Path) -> dict:
     """train.py's reported tokens/s (its last train row: the whole loop, warm-up and the step-0
     held-out pass included) and the steady rate after the first fifth of the steps. Rows give
     tokens/s since the loop began, and the tokens of every step follow from the dataset and
-    train.batch_indices, so each logged step's elapsed time is tokens so far / tokens/s."""
+    eagle3.sources.batch_indices, so each logged step's elapsed time is tokens so far / tokens/s."""
     import torch
     import yaml
 
     from eagle3.data import is_heldout
     from eagle3.features import FeatureDataset
-    from train import batch_indices
+    from eagle3.sources import batch_indices
 
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
     t = cfg["train"]

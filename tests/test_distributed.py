@@ -10,7 +10,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from train import batch_indices  # noqa: E402
+from eagle3.sources import batch_indices  # noqa: E402
 
 
 @pytest.mark.parametrize("groups", [0, 3])
