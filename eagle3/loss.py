@@ -334,14 +334,6 @@ def counted_grid(loss_mask: torch.Tensor, attention_mask: torch.Tensor, top: tor
 
 
 @torch.no_grad()
-def step_counts(loss_mask: torch.Tensor, attention_mask: torch.Tensor, top: torch.Tensor,
-                t2d: torch.Tensor, ttt_steps: int) -> torch.Tensor:
-    """[S] int64: how many rows each TTT step counts (what `norm` sums over a global batch), on
-    the device: no host sync."""
-    return counted_grid(loss_mask, attention_mask, top, t2d, ttt_steps).sum((1, 2))
-
-
-@torch.no_grad()
 def unigram_correct(loss_mask: torch.Tensor, attention_mask: torch.Tensor, top: torch.Tensor,
                     vocab: DraftVocab, token: int) -> Tuple[int, int]:
     """(correct, count) of the baseline that always drafts `token` (the most frequent assistant token),

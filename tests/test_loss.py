@@ -343,19 +343,17 @@ def test_micro_batches_with_global_norm_add_up_to_the_whole_batch():
     """What data parallelism and gradient accumulation rely on (train.py): each part divides by the
     global batch's per-step counts, so the parts' losses and gradients sum to the whole batch's; the
     parts' counted rows found before any forward (as train.py finds them) change nothing."""
-    from eagle3.loss import CountedRows, step_counts
+    from eagle3.loss import CountedRows
     d, batch, vocab = make_case(seed=3, B=4, lengths=(9, 6, 8, 4))
     steps = 4
     whole = ttt_loss(d, **batch, vocab=vocab, ttt_steps=steps)
     want = grads(d, whole.loss)
     parts = [{k: v[i:i + 2] if k != "target_lm_head" else v for k, v in batch.items()} for i in (0, 2)]
     teachers = [target_teacher(p["final"], p["target_lm_head"], vocab.draft_ids) for p in parts]
-    norm = sum(step_counts(p["loss_mask"], p["attention_mask"], t[1], vocab.t2d, steps)
-               for p, t in zip(parts, teachers))
-    assert norm.tolist() == whole.count.tolist()
     counted = [CountedRows(p["loss_mask"], p["attention_mask"].bool(), t[1], vocab.t2d, steps)
                for p, t in zip(parts, teachers)]
-    assert sum(c.count for c in counted).tolist() == norm.tolist()
+    norm = sum(c.count for c in counted)
+    assert norm.tolist() == whole.count.tolist()
     total, got = 0.0, None
     for p, t, c in zip(parts, teachers, counted):
         out = ttt_loss(d, **p, vocab=vocab, ttt_steps=steps, teacher=t, norm=norm, counted=c)
