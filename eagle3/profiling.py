@@ -97,17 +97,20 @@ class StepProfiler:
         print(f"[train] profile of steps {self.first}-{self.last}: {self.out_dir} {json.dumps(summary)}", flush=True)
 
 
+def covered_us(events: List[dict]) -> float:
+    """Microseconds covered by the union of complete events' [ts, ts + dur] intervals: overlapping
+    and nested events count once."""
+    total, end = 0.0, -float("inf")
+    for a, b in sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in events):
+        if b > end:
+            total, end = total + b - max(a, end), b
+    return total
+
+
 def busy_seconds(events: List[dict]) -> float:
     """Seconds during which at least one GPU kernel or copy ran: the union of their intervals."""
-    spans = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in events
-                   if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
-    total, end = 0.0, -float("inf")
-    for a, b in spans:
-        if b <= end:
-            continue
-        total += b - max(a, end)
-        end = b
-    return total / 1e6
+    return covered_us([e for e in events if e.get("ph") == "X"
+                       and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]) / 1e6
 
 
 PHASES = ("data", "forward", "backward", "optimizer")
@@ -124,18 +127,14 @@ def phase(name: str):
 def host_summary(events: List[dict], steps: int) -> dict:
     """Per step, from a Chrome trace's events: the host's milliseconds in each phase (the union of
     its spans, so nested spans count once), in each blocking CUDA call, and the kernels it launched."""
-    def ms(spans):
-        total, end = 0.0, -float("inf")
-        for a, b in sorted(spans):
-            if b > end:
-                total, end = total + b - max(a, end), b
-        return round(total / 1e3 / max(steps, 1), 3)
+    def ms(chosen):
+        return round(covered_us(chosen) / 1e3 / max(steps, 1), 3)
 
     cpu = [e for e in events if e.get("ph") == "X"]
-    host = {p: ms([(e["ts"], e["ts"] + e.get("dur", 0)) for e in cpu
-                   if e.get("cat") == "user_annotation" and e.get("name") == f"train/{p}"]) for p in PHASES}
+    host = {p: ms([e for e in cpu if e.get("cat") == "user_annotation" and e.get("name") == f"train/{p}"])
+            for p in PHASES}
     runtime = [e for e in cpu if e.get("cat") in ("cuda_runtime", "cuda_driver")]
-    waits = {w: ms([(e["ts"], e["ts"] + e.get("dur", 0)) for e in runtime if e.get("name") == w]) for w in WAITS}
+    waits = {w: ms([e for e in runtime if e.get("name") == w]) for w in WAITS}
     launches = sum("LaunchKernel" in e.get("name", "") for e in runtime)
     return {"host_ms_per_step": host, "wait_ms_per_step": {w: v for w, v in waits.items() if v},
             "launches_per_step": round(launches / max(steps, 1), 1)}
