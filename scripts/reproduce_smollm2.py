@@ -33,9 +33,10 @@ its run directory WORK/runs/NAME:
     kimi_zero3_*   (2+ GPUs) the Kimi-size drafter (conf/experiment/kimi_dims.yaml) under ZeRO-3,
                    1 GPU against 2: losses, tokens/s and memory per GPU
 A job starts once its dependencies have finished; at most --per-gpu jobs share a GPU, and timed jobs
-run alone on theirs. A job that runs out of GPU memory runs again, once, when fewer jobs share its GPU. WORK/status.json says what ran, for how long, and how it ended. Rerunning skips
-jobs already done; --only runs a subset (a dependency left out counts as done; the scale and long
-runs then need --answers, a regenerated-answers file from regen_all).
+run alone on theirs. A job that runs out of GPU memory runs again, once, when fewer jobs share its
+GPU. WORK/status.json says what ran, for how long, and how it ended. Rerunning skips jobs already
+done; --only runs a subset (a dependency left out counts as done; the scale and long runs then need
+--answers, a regenerated-answers file from regen_all).
 """
 from __future__ import annotations
 
@@ -68,7 +69,7 @@ class Job:
     t0: float = 0.0
     t1: float = 0.0
     retried: bool = False                         # ran out of GPU memory once and was queued again
-    crowd: int = 0                                # then: it starts only with fewer jobs on its GPU than this
+    crowd: int = 0                                # the jobs beside it then; it starts again beside fewer
 
 
 def prompts_prefix(answers: Path, n_prompts: int) -> int:
@@ -246,8 +247,8 @@ def run(jobs: List[Job], work: Path, gpus: int, per_gpu: int) -> None:
                 if j.state == "fail" and not j.retried and others and \
                         out_of_memory(work / "logs" / f"{j.name}.log"):
                     # the jobs beside it took the memory: once, it runs again with fewer of them
-                    j.retried, j.state, j.crowd = True, "wait", others + 1
-                    print(f"[reproduce] {j.name} ran out of GPU memory beside {j.crowd - 1} other job(s): "
+                    j.retried, j.state, j.crowd = True, "wait", others
+                    print(f"[reproduce] {j.name} ran out of GPU memory beside {others} other job(s): "
                           f"it runs again once fewer share its GPU", flush=True)
         states = {j.name: j.state for j in jobs}
         for j in jobs:
@@ -265,7 +266,7 @@ def run(jobs: List[Job], work: Path, gpus: int, per_gpu: int) -> None:
             order = sorted(range(n), key=lambda k: -slots[k])[:want]
             if len(order) < want or any(slots[g] < cost(j) for g in order):
                 continue
-            if j.retried and any(sharing(g) >= j.crowd - 1 for g in order):
+            if j.retried and any(sharing(g) >= j.crowd for g in order):
                 continue
             ids = sorted(order)
             try:
