@@ -16,7 +16,7 @@ from eagle3 import chat, checkpoint
 from eagle3.batch import Batch, collate
 from eagle3.data import is_heldout, load_samples
 from eagle3.features import FeatureDataset, check_compatible, template_sha256
-from eagle3.stream import STREAM_PARENT_ENV, Schedule
+from eagle3.stream import STREAM_PARENT_ENV, Schedule, StreamError, StreamReader, open_stream, plan_stream
 
 
 def batch_indices(step: int, n: int, batch_size: int, seed: int,
@@ -103,7 +103,6 @@ def stream_data(c, target, is_main: bool) -> Data:
     """Shards as a producer captures them into data.stream_dir, deleted once used, within
     data.disk_budget_gb (docs/streaming.md). Train samples are indexed by epoch and position (the
     epoch says which shard file holds them), held-out ones are negative."""
-    from eagle3.stream import StreamError, StreamReader, open_stream, plan_stream
 
     tok, train, held = load_samples(target.dir, c.target, c.data, c.capture)
     try:
