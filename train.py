@@ -162,6 +162,7 @@ def main(cfg) -> None:
     recent = deque([(start - 1, t0)], maxlen=RATE_WINDOW + 1)    # (step, when it ended): the ETA's rate
     prof = StepProfiler(c.train.profile_steps, start, run_dir / "profile", device, enabled=is_main)
     prof.start()
+    stop = checkpoint.StopRequest(acc, c.train.log_every)
     for step in range(start, total):
         lr = lr_at(step, total, c.optim.lr, c.optim.warmup_fraction, c.optim.min_lr_fraction)
         for g in optimizer.param_groups:
@@ -204,9 +205,20 @@ def main(cfg) -> None:
             row = heldout_eval(acc, prepare, run_loss, data.held, c.train, shard, vocab, unigram)
             unigram = row["unigram_acc"]
             log.write({"step": step, "split": "heldout", **row}, total)
+        saved = None
         if (step + 1) % c.train.save_every == 0 and step + 1 < total:
-            checkpoint.save(acc, run_dir, step + 1, vocab_path)
+            saved = checkpoint.save(acc, run_dir, step + 1, vocab_path)
         prof.step()
+        if step + 1 < total and stop.due(step):
+            prof.stop()   # data stays open: a stream's producer sees this process end and stops itself
+            saved = saved or checkpoint.save(acc, run_dir, step + 1, vocab_path)
+            if is_main:
+                log.close()
+                print(f"[train] stopped after step {step + 1}/{total}: {saved}\n[train] to go on, run the same "
+                      f"command with resume=true", flush=True)
+            acc.end_training()
+            sys.exit(stop.exit_code)
+    stop.close()
     prof.stop()
 
     # ---- save, export, curves ----

@@ -5,11 +5,16 @@ save_state, which also handles DeepSpeed's sharded states), the draft vocabulary
 data position and the learning rate are functions of the step (train.py), so the step is all the
 loop state there is. Written under a temporary name, fsynced and renamed (eagle3/durable.py), so a
 killed save or a full disk leaves the previous checkpoint as `latest`.
+
+SIGTERM (what schedulers and `timeout` send before they kill) or Ctrl-C stops training at the end of
+the step it is in, with a checkpoint of that step (`StopRequest`): a preempted run loses nothing and
+goes on with the same command plus resume=true. A second signal stops at once.
 """
 from __future__ import annotations
 
 import json
 import shutil
+import signal
 from pathlib import Path
 
 import torch
@@ -54,6 +59,45 @@ def save(acc, run_dir: Path, step: int, vocab_path: Path) -> Path:
         write_text(ckpt_root / "latest", final.name + "\n")
     acc.wait_for_everyone()
     return final
+
+
+class StopRequest:
+    """Notes SIGTERM and SIGINT instead of dying of them, so the loop can stop at a step boundary.
+
+    `due(step)` says whether to save and stop after `step`. With several processes every rank must
+    stop after the same step, so the ranks agree by a max-reduction of their flags; that costs a wait
+    for the GPU, so they compare only every `every` steps (and at once on one process)."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, acc, every: int):
+        self.acc, self.every, self.signum = acc, max(1, every), 0
+        self.previous = {s: signal.signal(s, self._note) for s in self.SIGNALS}
+
+    def _note(self, signum, frame):
+        self.signum = signum
+        for s, h in self.previous.items():      # a second signal takes its usual course
+            signal.signal(s, h)
+        if self.acc.is_main_process:
+            print(f"[train] {signal.Signals(signum).name}: stopping at the end of this step with a checkpoint "
+                  f"(signal again to stop now)", flush=True)
+
+    def due(self, step: int) -> bool:
+        if self.acc.num_processes == 1:
+            return self.signum != 0
+        if step % self.every:
+            return False
+        flag = torch.tensor([self.signum], device=self.acc.device)
+        self.signum = int(self.acc.reduce(flag, reduction="max").item())
+        return self.signum != 0
+
+    def close(self) -> None:
+        for s, h in self.previous.items():
+            signal.signal(s, h)
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum              # the shell's code for a process ended by that signal
 
 
 def latest(run_dir: Path) -> Path | None:

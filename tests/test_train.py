@@ -2,8 +2,10 @@
 bad input; and `python -m eagle3.export RUN_DIR`, the export of a run cut short."""
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -120,6 +122,43 @@ def test_bf16_autocast_resume_continues_exactly(tiny_run, tmp_path):
     assert len(set(losses)) == 6                      # it trains: bf16 steps, not one loss repeated
     for step in range(3, 6):
         assert resumed[(step, "train")]["loss"] == full[(step, "train")]["loss"], step
+
+
+def test_sigterm_stops_at_a_step_with_a_checkpoint_and_the_resumed_run_ends_as_one_uninterrupted(tiny_run, tmp_path):
+    """SIGTERM mid-run: the process exits with 128 + 15 after saving the step it was in (no periodic
+    checkpoint is due: save_every is past the end), and resume=true ends with the same metrics and
+    exported weights as a run that was never stopped."""
+    args = ["+experiment=tiny", f"data.features_dir={tiny_run}/features", "train.steps=40", "train.save_every=1000",
+            "train.log_every=1", "train.eval_every=1000"]
+    run_train(*args, f"run_dir={tmp_path}/full")
+    cut = tmp_path / "cut"
+    env = dict(os.environ, OMP_NUM_THREADS="2", WANDB_MODE="disabled", HYDRA_FULL_ERROR="1")
+    p = subprocess.Popen([sys.executable, "train.py", *args, f"run_dir={cut}"], cwd=ROOT, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        while p.poll() is None and not any(r["split"] == "train" and r["step"] >= 2
+                                           for r in (metrics(cut) if (cut / "metrics.jsonl").exists() else [])):
+            time.sleep(0.05)
+        p.send_signal(signal.SIGTERM)
+        out, _ = p.communicate(timeout=300)
+    finally:
+        p.kill()
+    assert p.returncode == 128 + signal.SIGTERM, out[-3000:]
+    saved = [d.name for d in (cut / "checkpoints").glob("step_*")]
+    assert len(saved) == 1 and (cut / "checkpoints" / "latest").read_text().strip() == saved[0]
+    stopped = int(saved[0].split("_")[1])
+    assert 3 <= stopped < 40 and f"stopped after step {stopped}/40" in out
+    assert max(r["step"] for r in metrics(cut)) == stopped - 1
+    assert not (cut / "export").exists()
+    run_train(*args, f"run_dir={cut}", "resume=true")
+    full, resumed = metrics(tmp_path / "full"), metrics(cut)
+    assert [(r["step"], r["split"]) for r in resumed] == [(r["step"], r["split"]) for r in full]
+    for a, b in zip(full, resumed):
+        assert b.get("loss") == pytest.approx(a.get("loss"), rel=1e-6, abs=1e-7), a["step"]
+    for engine in ("vllm", "sglang"):
+        a = load_file(str(tmp_path / "full" / "export" / engine / "model.safetensors"))
+        b = load_file(str(cut / "export" / engine / "model.safetensors"))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), engine
 
 
 def test_manifest_mismatch_stops_and_names_both_values(tiny_run, tmp_path):
