@@ -37,6 +37,11 @@ run alone on theirs. A job that runs out of GPU memory runs again, once, when fe
 GPU. WORK/status.json says what ran, for how long, and how it ended. Rerunning skips jobs already
 done; --only runs a subset (a dependency left out counts as done; the scale and long runs then need
 --answers, a regenerated-answers file from regen_all).
+
+SIGTERM or Ctrl-C (a scheduler's time limit, `timeout`) is passed on once to every running job: a
+training saves a checkpoint of the step it is in and exits, and the run ends with those jobs marked
+`stopped`. Rerunning goes on from there: a training whose run directory holds a checkpoint resumes
+from it (resume=true), to the same weights as if it had never stopped.
 """
 from __future__ import annotations
 
@@ -44,6 +49,7 @@ import argparse
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -63,7 +69,7 @@ class Job:
     gpus: int = 1                                 # 1: the freest GPU; 0: every GPU; 2: two GPUs
     exclusive: bool = False                       # alone on its GPUs (its timings are reported)
     after: List[str] = field(default_factory=list)  # jobs that must have ended, well or not
-    state: str = "wait"                           # wait | run | ok | fail
+    state: str = "wait"                           # wait | run | ok | fail | stopped (by a signal)
     proc: Optional[subprocess.Popen] = None
     gpu_ids: List[int] = field(default_factory=list)
     t0: float = 0.0
@@ -139,7 +145,9 @@ def build_jobs(work: Path, dry: bool, gpus: int, regen_minutes: float = 0.0, reg
         return [PY, "-m", "capture", f"+experiment={exp}", "capture.regenerate_only=true", *over, *tiny]
 
     def train(exp, name, *over):
-        return [PY, "train.py", f"+experiment={exp}", f"run_dir={runs / name}", "train.wandb=false", *over, *tiny]
+        resume = ["resume=true"] if (runs / name / "checkpoints" / "latest").exists() else []   # stopped before
+        return [PY, "train.py", f"+experiment={exp}", f"run_dir={runs / name}", "train.wandb=false", *over, *tiny,
+                *resume]
 
     def answers_path() -> Path:
         return answers or _answers_from_log(work / "logs" / "regen_all.log")
@@ -219,10 +227,15 @@ def out_of_memory(log: Path) -> bool:
         return False
 
 
-def run(jobs: List[Job], work: Path, gpus: int, per_gpu: int) -> None:
+def run(jobs: List[Job], work: Path, gpus: int, per_gpu: int, grace_s: float = 300.0) -> int:
+    """Run the jobs to the end; returns 0, or 128 + the signal that stopped the run (see the module's
+    docstring): each running job got SIGTERM once and grace_s to exit before it is killed."""
     status_path = work / "status.json"
     slots = [per_gpu] * max(gpus, 1)             # free job slots per GPU
     start = time.time()
+    signals = []
+    previous = {s: signal.signal(s, lambda signum, frame: signals.append(signum))
+                for s in (signal.SIGTERM, signal.SIGINT)}
 
     def save():
         status_path.write_text(json.dumps({j.name: {"state": j.state, "gpus": j.gpu_ids,
@@ -236,7 +249,7 @@ def run(jobs: List[Job], work: Path, gpus: int, per_gpu: int) -> None:
     def sharing(g):
         return sum(k.state == "run" and g in k.gpu_ids for k in jobs)
 
-    while any(j.state in ("wait", "run") for j in jobs):
+    while any(j.state in ("wait", "run") for j in jobs) and not signals:
         for j in jobs:
             if j.state == "run" and j.proc.poll() is not None:
                 j.state, j.t1 = ("ok" if j.proc.returncode == 0 else "fail"), time.time()
@@ -287,14 +300,35 @@ def run(jobs: List[Job], work: Path, gpus: int, per_gpu: int) -> None:
             log = open(work / "logs" / f"{j.name}.log", "a" if j.retried else "w")
             log.write(shlex.join(cmd) + "\n")
             log.flush()
-            j.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+            # its own session: a signal to this script's group (a terminal's Ctrl-C, `timeout`) reaches
+            # the job only through the one SIGTERM passed on below, never twice
+            j.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                      start_new_session=True)
             j.state, j.gpu_ids, j.t0 = "run", ids, time.time()
             print(f"[reproduce] {j.name} started on {ids}", flush=True)
             states[j.name] = "run"
         save()
         time.sleep(2)
+    if signals:
+        running = [j for j in jobs if j.state == "run"]
+        print(f"[reproduce] {signal.Signals(signals[0]).name}: stopping {[j.name for j in running]} "
+              f"(a training saves a checkpoint of its step first)", flush=True)
+        for j in running:
+            j.proc.send_signal(signal.SIGTERM)
+        deadline = time.time() + grace_s
+        for j in running:
+            try:
+                j.proc.wait(timeout=max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                j.proc.kill()
+                j.proc.wait()
+            j.state, j.t1 = "stopped", time.time()
+    for s, h in previous.items():
+        signal.signal(s, h)
     save()
-    print("[reproduce] finished:", {j.name: j.state for j in jobs}, flush=True)
+    print("[reproduce] finished:" if not signals else "[reproduce] stopped; rerun the same command to go on:",
+          {j.name: j.state for j in jobs}, flush=True)
+    return 128 + signals[0] if signals else 0
 
 
 def main() -> None:
@@ -339,7 +373,7 @@ def main() -> None:
     for j in jobs:
         if j.name in done:
             j.state = "ok"
-    run(jobs, work, args.gpus, args.per_gpu)
+    sys.exit(run(jobs, work, args.gpus, args.per_gpu))
 
 
 if __name__ == "__main__":

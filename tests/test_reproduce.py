@@ -2,8 +2,10 @@
 committed drafter's job runs the recipe docs/results.md states, and a job trains and exports."""
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,3 +111,47 @@ def test_a_job_out_of_gpu_memory_runs_again_once_with_fewer_beside_it(tmp_path):
     hopeless, beside, alone = jobs
     assert hopeless.state == "fail" and hopeless.retried and hopeless.t0 >= beside.t1
     assert alone.state == "fail" and not alone.retried
+
+
+def test_a_signal_reaches_each_running_job_once_and_a_stopped_training_resumes(tmp_path):
+    """SIGTERM to the whole process group of the script (as `timeout` and a terminal's Ctrl-C send
+    it): the running job gets exactly one SIGTERM, passed on by the script, exits, and is marked
+    `stopped`; the job waiting on it never starts; the script exits 128 + 15. A training job's
+    command resumes (resume=true) once its run directory holds a checkpoint."""
+    (tmp_path / "logs").mkdir()
+    got, ready = tmp_path / "got", tmp_path / "ready"
+    trap = (f"import pathlib, signal, sys, time\ngot = pathlib.Path({str(got)!r})\n"
+            "def on_term(signum, frame):\n    got.write_text(got.read_text() + 'T' if got.exists() else 'T')\n"
+            "signal.signal(signal.SIGTERM, on_term)\n"
+            f"pathlib.Path({str(ready)!r}).touch()\n"
+            "while not got.exists():\n    time.sleep(0.05)\ntime.sleep(3)\nsys.exit(128 + 15)")
+    driver = (f"import sys; sys.path.insert(0, {str(ROOT / 'scripts')!r})\n"
+              "from pathlib import Path\nfrom reproduce_smollm2 import Job, run\n"
+              f"jobs = [Job('train', [sys.executable, '-c', {trap!r}], gpus=0),\n"
+              "        Job('after', [sys.executable, '-c', 'pass'], deps=['train'], gpus=0)]\n"
+              f"sys.exit(run(jobs, Path({str(tmp_path)!r}), gpus=0, per_gpu=2, grace_s=60))")
+    p = subprocess.Popen([sys.executable, "-c", driver], start_new_session=True, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 60
+        while not ready.exists() and time.time() < deadline and p.poll() is None:
+            time.sleep(0.05)
+        os.killpg(p.pid, signal.SIGTERM)
+        out, _ = p.communicate(timeout=120)
+    finally:
+        p.kill()
+    assert p.returncode == 128 + signal.SIGTERM, out
+    assert got.read_text() == "T", out                     # once: from the script, not from the group signal
+    status = json.loads((tmp_path / "status.json").read_text())
+    assert status["train"]["state"] == "stopped" and status["after"]["state"] == "wait"
+    assert "rerun the same command to go on" in out
+
+    answers = answers_file(tmp_path / "answers.jsonl")
+    work = tmp_path / "work"
+    cmd = {j.name: j for j in build_jobs(work, False, 1, answers=answers)}["long_b32_e10_g32"].cmd()
+    assert "resume=true" not in cmd
+    ck = work / "runs" / "long_b32_e10_g32" / "checkpoints"
+    ck.mkdir(parents=True)
+    (ck / "latest").write_text("step_0000500\n")
+    cmd = {j.name: j for j in build_jobs(work, False, 1, answers=answers)}["long_b32_e10_g32"].cmd()
+    assert cmd[-1] == "resume=true"
