@@ -17,16 +17,22 @@ tokens past that end, so the greedy decode runs `past` = k tokens further, stop 
 
 The greedy decode is specdec.greedy_decode, one prompt at a time with a KV cache: padded batches
 would change the target's arithmetic and could flip a near-tie argmax, and the greedy output is
-the one thing every count depends on. The hidden states (eagle3.hidden.capture_batch) and the
+the one thing every count depends on. `GreedyCache` keeps each greedy run on disk, keyed by all it
+depends on, so judging more drafters later decodes no prompt twice. The hidden states (eagle3.hidden.capture_batch) and the
 drafter forward run padded batches of prompts. Counts match spec_decode's up to such near ties:
 its verify reads k+1 rows per forward, a third way to add the same numbers.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
 import torch
+
+from eagle3.durable import write_text
 
 from eagle3.hidden import capture_batch, pad_right
 from eagle3.loss import ttt_hits
@@ -50,6 +56,35 @@ def greedy_run(model, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: 
     out, _ = greedy_decode(model, prompt_ids, max_new_tokens, stop_ids)
     more, _ = greedy_decode(model, list(prompt_ids) + out, past, []) if past else ([], 0.0)
     return GreedyRun(list(prompt_ids), out + more, len(out))
+
+
+class GreedyCache:
+    """Greedy runs on disk, one JSON file each under `root`, named by a hash of everything the greedy
+    tokens depend on: `model_key` (the target's weights, dtype, device and library versions: the
+    caller's), the prompt, max_new_tokens and the stop ids. A run decoded `past` tokens further serves
+    any shorter `past` (those tokens are a prefix of it); a longer one decodes again and replaces it."""
+
+    def __init__(self, root: Path, model_key: str):
+        self.root, self.model_key = Path(root), model_key
+        self.hits = self.misses = 0
+
+    def path(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int]) -> Path:
+        key = json.dumps([self.model_key, list(prompt_ids), max_new_tokens, sorted(stop_ids)])
+        return self.root / f"{hashlib.blake2b(key.encode(), digest_size=12).hexdigest()}.json"
+
+    def run(self, model, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int],
+            past: int) -> GreedyRun:
+        path = self.path(prompt_ids, max_new_tokens, stop_ids)
+        if path.exists():
+            kept = json.loads(path.read_text())
+            if kept["past"] >= past and kept["prompt"] == list(prompt_ids):
+                self.hits += 1
+                return GreedyRun(kept["prompt"], kept["tokens"][:kept["num_out"] + past], kept["num_out"])
+        self.misses += 1
+        r = greedy_run(model, prompt_ids, max_new_tokens, stop_ids, past)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_text(path, json.dumps({"prompt": r.prompt, "tokens": r.tokens, "num_out": r.num_out, "past": past}))
+        return r
 
 
 def walk(accept: List[int], prompt_len: int, num_out: int, k: int) -> SpecCounts:

@@ -5,6 +5,7 @@ steps on the target's greedy answers to the test's prompts, so chains are accept
 length, some to their end. Everything in fp32 on the CPU.
 """
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -115,6 +116,31 @@ def test_walk_counts_the_last_verify_past_the_budget():
     assert (c.num_drafts, c.num_accepted, c.accepted_per_pos) == (2, 5, [2, 2, 1])
 
 
+def test_greedy_cache_returns_the_decoded_run_and_decodes_again_only_for_more(setup, tmp_path, monkeypatch):
+    """A cached run equals greedy_run's, is read back without decoding, serves a shorter `past` as
+    its prefix; a longer `past`, other stop ids or another model key decode again."""
+    model, _, _, prompts = setup
+    p = prompts[0]
+    cache = rp.GreedyCache(tmp_path, "tiny fp32 cpu")
+    first = cache.run(model, p, MAX_NEW, [], 7)
+    want = rp.greedy_run(model, p, MAX_NEW, [], 7)
+    assert (first.tokens, first.num_out) == (want.tokens, want.num_out) and len(want.tokens) == want.num_out + 7
+    decoded = []
+    real = rp.greedy_run
+    monkeypatch.setattr(rp, "greedy_run", lambda *a: decoded.append(a[-1]) or real(*a))
+    again = cache.run(model, p, MAX_NEW, [], 7)
+    short = cache.run(model, p, MAX_NEW, [], 3)
+    assert decoded == [] and (again.tokens, again.num_out) == (want.tokens, want.num_out)
+    assert short.tokens == want.tokens[:want.num_out + 3] and short.output == want.output
+    assert (cache.hits, cache.misses) == (2, 1)
+    cache.run(model, p, MAX_NEW, [], 9)                        # more than kept: decoded, then kept
+    stop = [want.output[2]]
+    stopped = cache.run(model, p, MAX_NEW, stop, 3)            # other stop ids: their own entry
+    rp.GreedyCache(tmp_path, "another target").run(model, p, MAX_NEW, [], 3)
+    assert decoded == [9, 3, 3] and stopped.output == want.output[:3]
+    assert len(list(tmp_path.glob("*.json"))) == 3
+
+
 # ---------------------------------------------------------------------------------------------
 # end to end: python evaluate.py eval.backend=replay gives the hf backend's tau
 
@@ -125,15 +151,21 @@ def test_evaluate_replay_equals_hf_backend(setup, tmp_path):
     export_drafter(run / "export", chain.model.exportable_state_dict(), chain.model.shape, chain.d2t, t2d, AUX,
                    ["LlamaForCausalLM"], engines=("vllm",))
     reports = {}
-    for backend in ("hf", "replay"):
-        out = tmp_path / backend
+    env = dict(os.environ, EAGLE3_CACHE=str(tmp_path / "cache"))
+    for backend, out in (("hf", "hf"), ("replay", "replay"), ("replay", "replay_cached")):
         r = subprocess.run([sys.executable, "evaluate.py", "+experiment=tiny", f"run_dir={tmp_path}/r",
                             f"eval.drafters=[{run}]", f"eval.backend={backend}", "eval.prompts=[mt_bench_2turn]",
                             "eval.num_prompts=2", "eval.chains=[3,1]", "eval.max_new_tokens=12",
-                            f"eval.out_dir={out}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                            f"eval.out_dir={tmp_path / out}"], cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=300)
         assert r.returncode == 0, r.stderr[-3000:]
-        reports[backend] = json.loads((out / "report.json").read_text())
-        reports[backend]["lines"] = [json.loads(line) for line in (out / "per_prompt.jsonl").read_text().splitlines()]
+        reports[out] = json.loads((tmp_path / out / "report.json").read_text())
+        reports[out]["lines"] = [json.loads(line) for line in (tmp_path / out / "per_prompt.jsonl").read_text().splitlines()]
+        reports[out]["stdout"] = r.stdout
+    # the second replay reads all 4 turns' greedy runs from the cache and reports the same
+    assert "[eval] greedy runs: 4 from" in reports["replay_cached"]["stdout"]
+    assert "greedy runs" not in reports["replay"]["stdout"]
+    assert reports["replay_cached"]["results"] == reports["replay"]["results"]
     hf, replay = reports["hf"], reports["replay"]
     assert replay["settings"]["backend"] == "replay" and len(replay["results"]) == 2
     assert all(x["num_accepted"] > 0 for x in replay["results"])
