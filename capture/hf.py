@@ -15,7 +15,8 @@ from torch import nn
 
 from eagle3 import codec
 from eagle3.codec import Compact, FeatureFormat
-from eagle3.features import FeatureWriter, make_meta, open_capture, plan_shards, storage_dtype
+from eagle3.features import make_meta, plan_shards, storage_dtype
+from eagle3.feature_writer import FeatureWriter, open_capture
 from eagle3.hidden import capture_hidden, pad_right
 
 

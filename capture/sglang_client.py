@@ -42,7 +42,8 @@ from capture.sglang_server import capture_server_cmd, capture_server_env, free_p
 from eagle3 import codec
 from eagle3.codec import FeatureFormat
 from eagle3.config import CaptureConfig
-from eagle3.features import FeatureWriter, finished_capture, make_meta, open_capture
+from eagle3.features import make_meta
+from eagle3.feature_writer import FeatureWriter, finished_capture, open_capture
 from eagle3.serving import sglang_python
 
 REQUEST_TIMEOUT = 900.0           # one prefill-only request, queued behind `concurrency` others

@@ -1,9 +1,10 @@
 """The bytes of one feature shard: a safetensors file written by hand at fixed positions.
 
-eagle3/features.py owns the dataset (plan, writer, reader, manifest); this module owns what one shard
-holds and where: the storage dtypes, the layout (tensors in descending element size, so each can be
-viewed straight out of a memory map), the header, the positioned writes, fp8 aux with its row
-scales, the compact format's columns (eagle3/codec.py), and the checks of a shard's header against its manifest record.
+eagle3/features.py owns the dataset (plan, manifest, reader), eagle3/feature_writer.py its writing;
+this module owns what one shard holds and where: the storage dtypes, the layout (tensors in
+descending element size, so each can be viewed straight out of a memory map), the header, the
+positioned writes, fp8 aux with its row scales, the compact format's columns (eagle3/codec.py), and
+the checks of a shard's header against its manifest record.
 """
 from __future__ import annotations
 

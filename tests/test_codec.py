@@ -20,8 +20,8 @@ from eagle3 import codec
 from eagle3.codec import Compact, dequantize_aux, encode_teacher, quantize_aux
 from eagle3.loss import dense_teacher
 from eagle3.batch import collate
-from eagle3.features import (FeatureDataset, FeatureDatasetError, FeatureWriter, check_draft_vocab, make_meta,
-                             open_capture)
+from eagle3.features import FeatureDataset, FeatureDatasetError, check_draft_vocab, make_meta
+from eagle3.feature_writer import FeatureWriter, open_capture
 from eagle3.vocab import build_vocab
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -13,8 +13,8 @@ import torch
 from safetensors.numpy import load_file
 
 from eagle3.batch import Batch, collate
-from eagle3.features import (FeatureDataset, FeatureDatasetError, FeatureWriter, check_compatible, make_meta,
-                             open_capture, plan_shards)
+from eagle3.features import FeatureDataset, FeatureDatasetError, check_compatible, make_meta, plan_shards
+from eagle3.feature_writer import FeatureWriter, open_capture
 
 K, H = 3, 8
 

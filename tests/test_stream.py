@@ -111,7 +111,8 @@ H = 1024     # hidden size of the fake features: a unit of 60 tokens is ~0.5 MB,
 def fake_stream(tmp_path, reuse, budget_units):
     """A producer thread over 30 fake samples whose features encode (sample, token); the budget holds
     the held-out unit and `budget_units` of the largest units (0: all of them)."""
-    from eagle3.features import FeatureWriter, make_meta
+    from eagle3.features import make_meta
+    from eagle3.feature_writer import FeatureWriter
     from eagle3.stream import Stream, produce, unit_reserve
 
     gen = torch.Generator().manual_seed(0)

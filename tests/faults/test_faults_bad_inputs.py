@@ -14,7 +14,8 @@ from safetensors.torch import load_file, save_file
 
 from eagle3 import checkpoint, export
 from eagle3.evaluation import DrafterMismatch, check_drafter_fits
-from eagle3.features import FeatureDataset, FeatureDatasetError, FeatureWriter, check_compatible, make_meta
+from eagle3.features import FeatureDataset, FeatureDatasetError, check_compatible, make_meta
+from eagle3.feature_writer import FeatureWriter
 from eagle3.model import DrafterShape, Eagle3Drafter
 
 K, H = 3, 8

@@ -15,7 +15,8 @@ import torch
 from safetensors.torch import load_file
 
 from eagle3 import checkpoint, export
-from eagle3.features import FeatureDataset, FeatureWriter, make_meta
+from eagle3.features import FeatureDataset, make_meta
+from eagle3.feature_writer import FeatureWriter
 
 K, H = 3, 8
 
