@@ -25,6 +25,7 @@ from accelerate.utils import DistributedType
 from omegaconf import OmegaConf
 
 from eagle3 import checkpoint, config as config_schema, fused
+from eagle3.batch import Prefetch
 from eagle3.export import write_export
 from eagle3.features import check_draft_vocab
 from eagle3.loss import CountedRows, TTTOutput, batch_teacher, unigram_correct
@@ -88,7 +89,7 @@ def main(cfg) -> None:
     if c.train.mode == "stream":
         data = stream_data(c, target, is_main)
     elif c.train.mode == "offline":
-        data = offline_data(c, target)
+        data = offline_data(c, target, pin=device.type == "cuda")
     else:
         data = online_data(c, target, device, compute_dtype)
     if len(data.train) < c.train.batch_size:
@@ -136,19 +137,26 @@ def main(cfg) -> None:
 
     t2d = vocab.t2d.to(device)
 
-    def prepare(indices):
-        """This rank's micro-batches of one global batch as (batch, teacher, counted rows), and the
-        per-step counts of the whole global batch: every micro-batch on every rank divides by the same
-        counts, so the shares add up to exactly the loss a single process would compute on the global
-        batch. All the micro-batches' counted rows are found here, before any forward is queued: a
-        micro-batch's loss needs their number on the host, and it is there long before its turn."""
+    def host_batches(indices):
+        """This rank's micro-batches of one global batch, as the source gives them (host memory)."""
+        return [data.make_batch(indices[m:m + micro]) for m in range(0, len(indices), micro)]
+
+    def place(batches):
+        """The micro-batches on the device as (batch, teacher, counted rows), and the per-step counts
+        of the whole global batch: every micro-batch on every rank divides by the same counts, so the
+        shares add up to exactly the loss a single process would compute on the global batch. All the
+        micro-batches' counted rows are found here, before any forward is queued: a micro-batch's loss
+        needs their number on the host, and it is there long before its turn."""
         parts = []
-        for m in range(0, len(indices), micro):
-            bt = data.make_batch(indices[m:m + micro]).to(device, compute_dtype)
+        for b in batches:
+            bt = b.to(device, compute_dtype)
             teacher = batch_teacher(bt, lm_head, vocab.draft_ids)
             parts.append((bt, teacher, CountedRows(bt.loss_mask, bt.attention_mask.bool(), teacher[1], t2d, S)))
         counts = sum(counted.count for _, _, counted in parts)
         return parts, acc.reduce(counts, reduction="sum").clamp(min=1)
+
+    def prepare(indices):
+        return place(host_batches(indices))
 
     def run_loss(bt, teacher, counted, norm):
         with acc.autocast():
@@ -163,6 +171,7 @@ def main(cfg) -> None:
     prof = StepProfiler(c.train.profile_steps, start, run_dir / "profile", device, enabled=is_main)
     prof.start()
     stop = checkpoint.StopRequest(acc, c.train.log_every)
+    ahead = Prefetch(lambda k: host_batches(batch_of(k)[shard]), enabled=c.train.prefetch and data.prefetch)
     for step in range(start, total):
         lr = lr_at(step, total, c.optim.lr, c.optim.warmup_fraction, c.optim.min_lr_fraction)
         for g in optimizer.param_groups:
@@ -170,7 +179,7 @@ def main(cfg) -> None:
         model.train()
         stats = StepStats(S, device)
         with phase("data"):
-            parts, norm = prepare(batch_of(step)[shard])
+            parts, norm = place(ahead.get(step, then=step + 1 if step + 1 < total else None))
         losses = []
         for j, (bt, teacher, counted) in enumerate(parts):
             with phase("forward"):
@@ -201,6 +210,7 @@ def main(cfg) -> None:
                        "tok_s": int(tokens_seen) * world / max(elapsed, 1e-9), "eta_s": eta_seconds(recent, step, total),
                        **mem}, total, elapsed)
         if data.held and (step % c.train.eval_every == 0 or step == total - 1):
+            ahead.settle()
             model.eval()
             row = heldout_eval(acc, prepare, run_loss, data.held, c.train, shard, vocab, unigram)
             unigram = row["unigram_acc"]
@@ -210,6 +220,7 @@ def main(cfg) -> None:
             saved = checkpoint.save(acc, run_dir, step + 1, vocab_path)
         prof.step()
         if step + 1 < total and stop.due(step):
+            ahead.close()
             prof.stop()   # data stays open: a stream's producer sees this process end and stops itself
             saved = saved or checkpoint.save(acc, run_dir, step + 1, vocab_path)
             if is_main:
@@ -219,6 +230,7 @@ def main(cfg) -> None:
             acc.end_training()
             sys.exit(stop.exit_code)
     stop.close()
+    ahead.close()
     prof.stop()
 
     # ---- save, export, curves ----

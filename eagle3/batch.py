@@ -3,8 +3,9 @@ an in-process target, a stream): right-padded samples, moved to the training dev
 the host wait for the GPU."""
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -52,25 +53,37 @@ def to_device(t: torch.Tensor, device, dtype: Optional[torch.dtype] = None) -> t
     return t.to(device, dtype)
 
 
-def collate(items: List[Dict[str, torch.Tensor]], sample_ids: Sequence[str]) -> Batch:
-    """Right-pad ds[i] dicts with zeros into a Batch (aux/final keep their stored dtype)."""
+def collate(items: List[Dict[str, torch.Tensor]], sample_ids: Sequence[str], pin: bool = False) -> Batch:
+    """Right-pad ds[i] dicts with zeros into a Batch (aux/final keep their stored dtype). pin: in pinned
+    host memory, so the copy to a GPU reads it as it is (to_device pins nothing twice). The wide
+    tensors are not zero-filled whole: each row's padding is zeroed after its tokens are written."""
     B, T = len(items), max(len(it["input_ids"]) for it in items)
     stored = "teacher_p" in items[0]
     coded = "aux_codes" in items[0]
-    ids = torch.zeros(B, T, dtype=torch.long)
-    loss = torch.zeros(B, T, dtype=torch.float32)
-    att = torch.zeros(B, T, dtype=torch.bool)
+
+    def blank(*shape, dtype):
+        return torch.empty(*shape, dtype=dtype, pin_memory=pin)
+
+    ids = torch.zeros(B, T, dtype=torch.long, pin_memory=pin)
+    loss = torch.zeros(B, T, dtype=torch.float32, pin_memory=pin)
+    att = torch.zeros(B, T, dtype=torch.bool, pin_memory=pin)
+    wide = []                                   # [B, T, ...] tensors, row tails zeroed below
     if coded:                                   # zero scales pad: padded rows decode to zeros
-        codes = torch.zeros(B, T, items[0]["aux_codes"].shape[-1], dtype=items[0]["aux_codes"].dtype)
-        scale = torch.zeros(B, T, items[0]["aux_scale"].shape[-1], dtype=items[0]["aux_scale"].dtype)
+        codes = blank(B, T, items[0]["aux_codes"].shape[-1], dtype=items[0]["aux_codes"].dtype)
+        scale = blank(B, T, items[0]["aux_scale"].shape[-1], dtype=items[0]["aux_scale"].dtype)
         aux = None
+        wide += [codes, scale]
     else:
-        aux = torch.zeros(B, T, items[0]["aux"].shape[-1], dtype=items[0]["aux"].dtype)
-    final = None if stored else torch.zeros(B, T, items[0]["final"].shape[-1], dtype=items[0]["final"].dtype)
+        aux = blank(B, T, items[0]["aux"].shape[-1], dtype=items[0]["aux"].dtype)
+        wide.append(aux)
+    final = None if stored else blank(B, T, items[0]["final"].shape[-1], dtype=items[0]["final"].dtype)
     if stored:
         K = items[0]["teacher_p"].shape[-1]
-        teacher = StoredTeacher(torch.zeros(B, T, K, dtype=torch.long), torch.zeros(B, T, K, dtype=torch.float32),
-                                torch.zeros(B, T, dtype=torch.float32), torch.zeros(B, T, dtype=torch.long))
+        teacher = StoredTeacher(blank(B, T, K, dtype=torch.long), blank(B, T, K, dtype=torch.float32),
+                                blank(B, T, dtype=torch.float32), blank(B, T, dtype=torch.long))
+        wide += [teacher.ids, teacher.p, teacher.mass, teacher.top]
+    else:
+        wide.append(final)
     for b, it in enumerate(items):
         n = len(it["input_ids"])
         ids[b, :n] = it["input_ids"]
@@ -85,5 +98,41 @@ def collate(items: List[Dict[str, torch.Tensor]], sample_ids: Sequence[str]) -> 
             teacher.mass[b, :n], teacher.top[b, :n] = it["teacher_mass"], it["teacher_top"]
         else:
             final[b, :n] = it["final"]
+        for t in wide:
+            t[b, n:] = 0
     return Batch(ids, loss, att, aux, final, list(sample_ids), teacher if stored else None,
                  *((codes, scale) if coded else ()))
+
+
+class Prefetch:
+    """A step's host-side batches, built on a worker thread while the GPU runs the step before.
+
+    `get(step, then)` returns build(step) (already built when it was the `then` of the call before)
+    and starts building `then`. Building a batch from a feature dataset is host work (reading the
+    shards, padding, pinning) that would otherwise leave the GPU idle at the start of every step.
+    The batches are the ones build gives either way, in the same order; disabled, it builds in line.
+    Only the worker calls build while a step is pending: `settle()` waits for it before anyone else
+    reads the same source (the held-out evaluation)."""
+
+    def __init__(self, build: Callable[[int], list], enabled: bool):
+        self.build = build
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="prefetch") if enabled else None
+        self.pending: Dict[int, Future] = {}
+
+    def get(self, step: int, then: Optional[int] = None) -> list:
+        fut = self.pending.pop(step, None)
+        out = fut.result() if fut is not None else self.build(step)
+        self.settle()                              # a stale pending step (another order) is dropped
+        self.pending.clear()
+        if self.pool is not None and then is not None:
+            self.pending[then] = self.pool.submit(self.build, then)
+        return out
+
+    def settle(self) -> None:
+        for fut in self.pending.values():
+            fut.exception()                        # waits; an error surfaces when its step is asked for
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.settle()
+            self.pool.shutdown()

@@ -119,6 +119,7 @@ class TrainConfig:
     eval_every: int = 100
     eval_batches: int = 8
     save_every: int = 500
+    prefetch: bool = True                     # offline: build the next step's batches on a thread while the GPU runs this one
     seed: int = 0
     device: str = "auto"                      # auto: cuda when available
     compile: Optional[bool] = None            # fused elementwise kernels (eagle3/fused.py); null: on a GPU only

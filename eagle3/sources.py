@@ -50,6 +50,10 @@ class Data:
     desc: str
     batch_of: Callable[[int], list[int]] | None = None   # step -> its global batch, when the source fixes the order
     close: Callable[[], None] = lambda: None
+    # make_batch is host work only, safe on another thread: train.py builds the next step's batches
+    # while the GPU runs this one (eagle3.batch.Prefetch). Not online (the target runs on the GPU)
+    # nor stream (reading a batch is the trainer's acknowledgement to the producer)
+    prefetch: bool = False
 
 
 def batch_order(c, data: Data, total: int) -> Callable[[int], list[int]]:
@@ -71,8 +75,9 @@ def batch_order(c, data: Data, total: int) -> Callable[[int], list[int]]:
                                                               c.train.seed, lengths, c.train.length_groups)]
 
 
-def offline_data(c, target) -> Data:
-    """The feature dataset at data.features_dir, checked against the target, aux layers and chat template."""
+def offline_data(c, target, pin: bool = False) -> Data:
+    """The feature dataset at data.features_dir, checked against the target, aux layers and chat
+    template. pin: batches in pinned host memory (for a GPU)."""
     features_dir = Path(c.data.features_dir)
     ds = FeatureDataset(features_dir)
     check_compatible(ds.manifest, feature_expectations(target, chat.load_tokenizer(target.dir, c.target)),
@@ -84,8 +89,8 @@ def offline_data(c, target) -> Data:
     train_idx = [i for i, h in enumerate(held) if not h]
     held_idx = [i for i, h in enumerate(held) if h]
     return Data(train_idx, held_idx, lambda i: (ds[i]["input_ids"], ds[i]["loss_mask"]), ds.length,
-                lambda idx: collate([ds[i] for i in idx], [ids[i] for i in idx]),
-                f"features {features_dir} ({len(train_idx)} train / {len(held_idx)} held-out samples)")
+                lambda idx: collate([ds[i] for i in idx], [ids[i] for i in idx], pin=pin),
+                f"features {features_dir} ({len(train_idx)} train / {len(held_idx)} held-out samples)", prefetch=True)
 
 
 def online_data(c, target, device, dtype) -> Data:

@@ -83,6 +83,21 @@ def test_head_from_target_starts_the_drafter_in_the_targets_output_space(tiny_ru
     assert not torch.allclose(t["lm_head.weight"].float(), head[:len(target_ids)].float(), **close)
 
 
+def test_prefetching_the_next_steps_batches_trains_exactly_as_building_them_in_line(tiny_run, tmp_path):
+    """The tiny run built each step's batches on the prefetch worker (train.prefetch, on by default);
+    built in line, every step's loss, accuracy and the held-out rows (which wait for the worker) are
+    the same numbers, and so are the exported weights."""
+    run_train("+experiment=tiny", f"run_dir={tmp_path}/inline", f"data.features_dir={tiny_run}/features",
+              "train.steps=8", "train.save_every=4", "train.log_every=1", "train.eval_every=4", "train.prefetch=false")
+    drop = ("tok_s", "eta_s")
+    ahead = [{k: v for k, v in r.items() if k not in drop} for r in metrics(tiny_run / "run")]
+    inline = [{k: v for k, v in r.items() if k not in drop} for r in metrics(tmp_path / "inline")]
+    assert ahead == inline and sum(r["split"] == "heldout" for r in inline) == 3
+    a = load_file(str(tiny_run / "run" / "export" / "vllm" / "model.safetensors"))
+    b = load_file(str(tmp_path / "inline" / "export" / "vllm" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_resume_continues_exactly(tiny_run):
     """Stop at step 4 (the checkpoint), resume, and every later step's loss equals the uninterrupted run's."""
     run = tiny_run / "run"
