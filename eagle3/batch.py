@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -117,20 +117,23 @@ class Prefetch:
     def __init__(self, build: Callable[[int], list], enabled: bool):
         self.build = build
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="prefetch") if enabled else None
-        self.pending: Dict[int, Future] = {}
+        self.pending: Optional[Tuple[int, Future]] = None     # (step, its batches being built)
 
     def get(self, step: int, then: Optional[int] = None) -> list:
-        fut = self.pending.pop(step, None)
-        out = fut.result() if fut is not None else self.build(step)
-        self.settle()                              # a stale pending step (another order) is dropped
-        self.pending.clear()
+        pending, self.pending = self.pending, None
+        if pending is not None and pending[0] == step:
+            out = pending[1].result()
+        else:
+            if pending is not None:
+                pending[1].exception()             # another step: let the worker finish before building here
+            out = self.build(step)
         if self.pool is not None and then is not None:
-            self.pending[then] = self.pool.submit(self.build, then)
+            self.pending = (then, self.pool.submit(self.build, then))
         return out
 
     def settle(self) -> None:
-        for fut in self.pending.values():
-            fut.exception()                        # waits; an error surfaces when its step is asked for
+        if self.pending is not None:
+            self.pending[1].exception()            # waits; an error surfaces when its step is asked for
 
     def close(self) -> None:
         if self.pool is not None:

@@ -18,9 +18,10 @@ tokens past that end, so the greedy decode runs `past` = k tokens further, stop 
 The greedy decode is specdec.greedy_decode, one prompt at a time with a KV cache: padded batches
 would change the target's arithmetic and could flip a near-tie argmax, and the greedy output is
 the one thing every count depends on. `GreedyCache` keeps each greedy run on disk, keyed by all it
-depends on, so judging more drafters later decodes no prompt twice. The hidden states (eagle3.hidden.capture_batch) and the
-drafter forward run padded batches of prompts. Counts match spec_decode's up to such near ties:
-its verify reads k+1 rows per forward, a third way to add the same numbers.
+depends on, so judging more drafters later decodes no prompt twice. The hidden states
+(eagle3.hidden.capture_batch) and the drafter forward run padded batches of prompts. Counts match
+spec_decode's up to such near ties: its verify reads k+1 rows per forward, a third way to add the
+same numbers.
 """
 from __future__ import annotations
 
@@ -33,7 +34,6 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 
 from eagle3.durable import write_text
-
 from eagle3.hidden import capture_batch, pad_right
 from eagle3.loss import ttt_hits
 from eagle3.specdec import Eagle3ChainDrafter, SpecCounts, greedy_decode

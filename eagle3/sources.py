@@ -108,7 +108,6 @@ def stream_data(c, target, is_main: bool) -> Data:
     """Shards as a producer captures them into data.stream_dir, deleted once used, within
     data.disk_budget_gb (docs/streaming.md). Train samples are indexed by epoch and position (the
     epoch says which shard file holds them), held-out ones are negative."""
-
     tok, train, held = load_samples(target.dir, c.target, c.data, c.capture)
     try:
         st = plan_stream(train, held, c.data, c.capture, c.train, len(target.aux_layers), target.info.hidden_size,

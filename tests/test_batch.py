@@ -82,7 +82,7 @@ def test_prefetch_builds_the_next_step_on_its_worker_and_returns_the_same_batche
     built.clear()
     inline = Prefetch(build, enabled=False)
     assert [inline.get(k, then=k + 1) for k in range(3)] == [[0, 1], [10, 11], [20, 21]]
-    assert [name for _, name in built] == [threading.current_thread().name] * 3 and not inline.pending
+    assert [name for _, name in built] == [threading.current_thread().name] * 3 and inline.pending is None
 
 
 def test_prefetch_raises_a_builds_error_when_its_step_is_asked_for():
