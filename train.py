@@ -17,6 +17,7 @@ import os
 import sys
 import time
 from collections import deque
+from contextlib import nullcontext
 from pathlib import Path
 
 import hydra
@@ -182,12 +183,17 @@ def main(cfg) -> None:
             parts, norm = place(ahead.get(step, then=step + 1 if step + 1 < total else None))
         losses = []
         for j, (bt, teacher, counted) in enumerate(parts):
+            last = j == len(parts) - 1
             with phase("forward"):
                 out = run_loss(bt, teacher, counted, norm)
                 losses.append(out.loss.detach())
-            if j == len(parts) - 1:   # the step's one wait for the GPU, before the last backward can step
+            if last:   # the step's one wait for the GPU, before the last backward can step
                 stop_if_not_finite(losses, [b.sample_ids for b, _, _ in parts], step, run_dir)
-            with phase("backward"):   # DeepSpeed steps the optimizer inside the last one
+            # accelerate tells DeepSpeed each backward's place by sync_gradients: the step's last
+            # micro-batch ends the accumulation (DeepSpeed steps the optimizer inside that backward),
+            # the others only add gradients (and skip DDP's all-reduce)
+            acc.sync_gradients = last
+            with phase("backward"), (nullcontext() if last else acc.no_sync(model)):
                 acc.backward(out.loss * grad_scale)
             stats.add(out)
             tokens_seen += bt.attention_mask.sum()
