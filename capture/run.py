@@ -1,5 +1,5 @@
 """Conversations -> feature dataset, for `python -m capture` and for train.py's capture-first default;
-and the producer of train.mode=stream (eagle3/stream.py), which captures the same samples shard by
+and the producer of train.mode=stream (eagle3/stream_producer.py), which captures the same samples shard by
 shard into the stream directory as training needs them.
 
 Takes the typed config parts (eagle3.config dataclasses), never the Hydra config. Only reads the
@@ -32,7 +32,8 @@ def capture_features(target_dir: Path, aux_layers: Sequence[int], target: Target
 def stream_features(target_dir: Path, aux_layers: Sequence[int], target: TargetConfig, data: DataConfig,
                     capture: CaptureConfig, train_cfg: TrainConfig) -> Path:
     """The stream producer: returns when the trainer is done (or the trainer that launched it is gone)."""
-    from eagle3.stream import StreamError, open_stream, plan_stream, produce
+    from eagle3.stream import StreamError, open_stream, plan_stream
+    from eagle3.stream_producer import produce
 
     info = target_info(target_dir, target.name)
     tok, train, held = load_samples(target_dir, target, data, capture)

@@ -16,7 +16,8 @@ from eagle3 import chat, checkpoint
 from eagle3.batch import Batch, collate
 from eagle3.data import is_heldout, load_samples
 from eagle3.features import FeatureDataset, check_compatible, template_sha256
-from eagle3.stream import STREAM_PARENT_ENV, Schedule, StreamError, StreamReader, open_stream, plan_stream
+from eagle3.stream import STREAM_PARENT_ENV, Schedule, StreamError, open_stream, plan_stream
+from eagle3.stream_reader import StreamReader
 
 
 def batch_indices(step: int, n: int, batch_size: int, seed: int,

@@ -12,12 +12,13 @@ needs: units with no use at or after it are dead and deleted, by either side. Th
 the first missing unit at or after `next` when it fits the budget, evicting units needed later
 than it if need be. A resumed trainer publishes its checkpoint step's `next`, possibly earlier, and
 the producer captures again what was deleted: no side keeps a position beyond that checkpoint.
+
+This module holds what both sides share: the order, the budget's arithmetic and the directory's
+files. The trainer's side is eagle3/stream_reader.py, the producer's eagle3/stream_producer.py.
 """
 from __future__ import annotations
 
 import bisect
-import errno
-import fcntl
 import hashlib
 import json
 import os
@@ -25,15 +26,14 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
 from eagle3 import codec
 from eagle3.config import CaptureConfig, DataConfig, TrainConfig
 from eagle3.durable import write_text
-from eagle3.batch import collate
-from eagle3.features import FeatureDataset, FeatureDatasetError, plan_shards
+from eagle3.features import plan_shards
 from eagle3.shards import AUX_DTYPES, FLOAT_DTYPES, header_bytes, layout
 
 GB = 10 ** 9                       # data.disk_budget_gb counts decimal gigabytes
@@ -305,197 +305,3 @@ class Every:
 
 def mb(n: float) -> str:
     return f"{n / 1e6:,.1f} MB"
-
-
-# ----------------------------------------------------------------------------- trainer side
-
-class StreamReader:
-    """The trainer's side: batches as the schedule orders them, read from units as they appear.
-
-    Train samples are indexed p*n + i (sample position i in epoch p, so the unit is known), held-out
-    ones -1 - h. Only the main process publishes trainer.json and deletes."""
-
-    def __init__(self, root: Path, sched: Schedule, seed: int, sample_ids: Sequence[str], expected: dict,
-                 is_main: bool, producer_alive: Callable[[], Optional[str]] = lambda: None):
-        self.root, self.sched, self.seed, self.ids = Path(root), sched, seed, list(sample_ids)
-        self.expected, self.is_main, self.producer_alive = expected, is_main, producer_alive
-        self.units: Dict[str, FeatureDataset] = {}
-        self.first, self.step, self.tokens, self.t0 = 0, 0, 0, time.monotonic()
-        self.say = Every()
-
-    def start(self, step: int) -> None:
-        """Publish where this run starts (a resumed run may start before units already deleted)."""
-        self.first, self.step = self.sched.span(step)[0], step
-        self.publish(done=False)
-
-    def batch_of(self, step: int) -> List[int]:
-        """Step's global batch; everything earlier steps alone read is acknowledged (and deleted)."""
-        first, last = self.sched.span(step)
-        self.first, self.step = first, step
-        # keep only this step's units mapped: a unit the producer evicts (or recaptures) must not
-        # stay on disk as a deleted file held open here
-        span = {self.sched.name(g) for g in range(first, last + 1)} | {HELDOUT}
-        for name in [n for n in self.units if n not in span]:
-            del self.units[name]
-        if self.is_main:
-            self.publish(done=False)
-            delete_dead(self.root, self.sched, self.first)
-        p = step // self.sched.per_epoch
-        return [p * self.sched.n + i for i in self.sched.batch(step, self.seed)]
-
-    def publish(self, done: bool) -> None:
-        rate = self.tokens / max(time.monotonic() - self.t0, 1e-9)
-        write_json(self.root / TRAINER, {"next": self.sched.end if done else self.first, "done": done,
-                                         "step": self.step, "tok_s": rate})
-
-    def make_batch(self, indices: Sequence[int]):
-        names = [HELDOUT if i < 0 else self.sched.name((i // self.sched.n) * self.sched.num_shards
-                                                        + self.sched.shard_of(i % self.sched.n)) for i in indices]
-        for name in dict.fromkeys(names):
-            self.unit(name)
-        items, ids = [], []
-        for i, name in zip(indices, names):
-            ds = self.unit(name)
-            j = -1 - i if i < 0 else i % self.sched.n - self.sched.starts[self.sched.shard_of(i % self.sched.n)]
-            items.append(ds[j])
-            ids.append(ds.sample_id(j))
-            if i >= 0 and ids[-1] != self.ids[i % self.sched.n]:
-                raise StreamError(f"{self.root / name} holds {ids[-1]!r} where the schedule has "
-                                  f"{self.ids[i % self.sched.n]!r}: not this run's stream")
-        self.tokens += sum(len(it["input_ids"]) for it in items)
-        return collate(items, ids)
-
-    def unit(self, name: str) -> FeatureDataset:
-        """A unit's dataset, waiting for the producer while it is not there yet."""
-        while name not in self.units:
-            path = self.root / name
-            if (path / "manifest.json").exists():
-                try:
-                    ds = FeatureDataset(path, expected=self.expected)
-                    ds.length(0)                     # maps the shard now: later deletes cannot pull it away
-                    self.units[name] = ds
-                    break
-                except (FileNotFoundError, FeatureDatasetError):
-                    if (path / "manifest.json").exists():   # not deleted under us: really broken
-                        raise
-            dead = self.producer_alive()
-            if dead:
-                raise StreamError(dead)
-            if self.say():
-                prod = read_json(self.root / PRODUCER) or {}
-                rate = f"{prod['tok_s']:,.0f} tok/s, last wrote {prod.get('last', '-')}" if "tok_s" in prod \
-                    else "no unit written yet"
-                print(f"[stream] trainer waits for {name} at step {self.step} (producer: {rate})", flush=True)
-            time.sleep(POLL)
-        return self.units[name]
-
-    def close(self) -> None:
-        if self.is_main:
-            self.publish(done=True)
-            delete_dead(self.root, self.sched, self.sched.end)
-
-
-# ----------------------------------------------------------------------------- producer side
-
-class ProducerLock:
-    """One producer per stream directory: an flock held for the producer's life (the kernel drops it
-    when the process dies, SIGKILL included). On NFS it is a POSIX lock; Lustre needs `-o flock`."""
-
-    def __init__(self, root: Path):
-        self.fd = os.open(root / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-        say = Every()
-        while True:
-            try:
-                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return
-            except OSError as e:
-                if e.errno not in (errno.EAGAIN, errno.EACCES):
-                    raise
-            if say():
-                print(f"[stream] producer waits: another producer holds {root / LOCK}", flush=True)
-            time.sleep(POLL)
-
-    def release(self) -> None:
-        os.close(self.fd)
-
-
-def produce(root: Path, sched: Schedule, train_samples: Sequence[Any], held_samples: Sequence[Any],
-            capture: Callable[[Sequence[Any], Path], Path], reserve: Sequence[int], heldout_reserve: int,
-            budget: int, orphaned: Callable[[], bool] = lambda: False, launched: bool = False) -> None:
-    """Capture units into `root` as the trainer needs them, never holding more than `budget` bytes;
-    returns when the trainer says it is done (or `orphaned()`: the launching trainer is gone).
-    capture(samples, out_dir) writes a finished one-shard feature dataset.
-    launched: started by the trainer it serves, which published `done: false` before starting it, so
-    any `done` read here is that trainer's own (one resumed at its last step is done at once)."""
-    root = Path(root)
-    lock = ProducerLock(root)
-    say_full, say_idle, made, t0, tokens = Every(), Every(), 0, time.monotonic(), 0
-    # a `done` already there is the previous trainer's: wait for a new one rather than stop
-    stale = not launched and (read_json(root / TRAINER) or {}).get("done", False)
-    try:
-        for name in listing(root)[1]:                 # a killed producer's partial unit and trash
-            shutil.rmtree(root / name, ignore_errors=True)
-        if held_samples and not (root / HELDOUT / "manifest.json").exists():
-            wait_for_room(root, heldout_reserve, budget, HELDOUT, say_full, orphaned)
-            capture(held_samples, root / HELDOUT)
-        while not orphaned():
-            units, leftovers = listing(root)          # list first, then read `next` (see the module doc)
-            state = read_json(root / TRAINER) or {"next": 0, "done": False}
-            stale = stale and state["done"]
-            if state["done"] and not stale:
-                break
-            if stale:
-                if say_idle():
-                    print(f"[stream] producer: the trainer of {root} is done; waiting for a new one", flush=True)
-                time.sleep(POLL)
-                continue
-            first = state["next"]
-            for name in leftovers:
-                shutil.rmtree(root / name, ignore_errors=True)
-            present = set(units)
-            for name in units:
-                if sched.next_use(name, first) is None:
-                    delete_unit(root, name)
-                    present.discard(name)
-            g = next((g for g in range(first, sched.end) if sched.used(g) and sched.name(g) not in present), None)
-            if g is None:
-                if say_idle():
-                    print(f"[stream] producer: every unit up to the run's end is written; waiting for the "
-                          f"trainer (step {state.get('step', 0)})", flush=True)
-                time.sleep(POLL)
-                continue
-            s, name = g % sched.num_shards, sched.name(g)
-            used = dir_bytes(root)
-            if used + reserve[s] > budget:
-                later = sorted(((sched.next_use(n, first), n) for n in present), reverse=True)
-                for use, victim in later:
-                    if use is None or use > g:
-                        delete_unit(root, victim)
-                        used = dir_bytes(root)
-                        if used + reserve[s] <= budget:
-                            break
-            if used + reserve[s] > budget:
-                if say_full():
-                    print(f"[stream] producer: {name} ({mb(reserve[s])}) would pass the budget ({mb(used)} of "
-                          f"{mb(budget)} used); waiting for the trainer (step {state.get('step', 0)}, "
-                          f"{state.get('tok_s', 0):,.0f} tok/s)", flush=True)
-                time.sleep(POLL)
-                continue
-            capture([train_samples[i] for i in sched.plan[s]], root / name)
-            got = dir_bytes(root / name)
-            if got > reserve[s]:
-                raise StreamError(f"{name} takes {got:,} bytes, more than the {reserve[s]:,} reserved for it: "
-                                  f"eagle3.stream.unit_reserve no longer matches the feature format")
-            made += 1
-            tokens += sum(sched.lengths[i] for i in sched.plan[s])
-            write_json(root / PRODUCER, {"last": name, "units": made,
-                                         "tok_s": tokens / max(time.monotonic() - t0, 1e-9)})
-    finally:
-        lock.release()
-
-
-def wait_for_room(root: Path, need: int, budget: int, what: str, say: Every, orphaned) -> None:
-    while dir_bytes(root) + need > budget and not orphaned():
-        if say():
-            print(f"[stream] producer: {what} ({mb(need)}) would pass the budget; waiting", flush=True)
-        time.sleep(POLL)

@@ -113,7 +113,8 @@ def fake_stream(tmp_path, reuse, budget_units):
     the held-out unit and `budget_units` of the largest units (0: all of them)."""
     from eagle3.features import make_meta
     from eagle3.feature_writer import FeatureWriter
-    from eagle3.stream import Stream, produce, unit_reserve
+    from eagle3.stream import Stream, unit_reserve
+    from eagle3.stream_producer import produce
 
     gen = torch.Generator().manual_seed(0)
     samples = [SimpleNamespace(id=f"c{i}", input_ids=torch.randint(0, 100, (int(n),), generator=gen).tolist())
@@ -149,7 +150,7 @@ def fake_stream(tmp_path, reuse, budget_units):
 
 def read_steps(st, train, steps, sampler):
     """Train-side reads of `steps`: each batch holds the scheduled samples with their own features."""
-    from eagle3.stream import StreamReader
+    from eagle3.stream_reader import StreamReader
 
     reader = StreamReader(st.root, st.sched, 7, [x.id for x in train], {}, is_main=True)
     reader.start(steps[0])
