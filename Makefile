@@ -7,9 +7,10 @@ setup:
 train: setup
 	.venv/bin/python train.py
 
-# Main suite in .venv (vLLM CPU engine included), then the SGLang suite in its own environment.
+# Main suite in .venv (vLLM CPU engine included; the 15 slowest tests listed at the end), then the
+# SGLang suite in its own environment.
 test: setup
-	.venv/bin/python -m pytest tests -q -p no:cacheprovider --ignore=tests/sglang
+	.venv/bin/python -m pytest tests -q -p no:cacheprovider --ignore=tests/sglang --durations=15
 	.venv-sglang/bin/python -m pytest tests/sglang -q -p no:cacheprovider
 
 test-fast: setup
