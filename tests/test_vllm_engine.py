@@ -211,7 +211,7 @@ def test_vllm_applies_the_eagle31_norms(norms_drafter_dir, tmp_path):
     (no_output / "config.json").write_text(json.dumps({**cfg, "norm_output": False}, indent=2))
     hf, hf_ignored, hf_no_output = _evaluate("hf", [norms_drafter_dir, ignored, no_output], tmp_path / "hf",
                                              ["target.dtype=bfloat16"])["results"]
-    vl = _evaluate("vllm", [norms_drafter_dir], tmp_path / "vllm")["results"][0]
+    vl = _evaluate("vllm", [norms_drafter_dir], tmp_path / "vllm", ["eval.baseline=false"])["results"][0]
     for name, r in (("hf", hf), ("vllm", vl), ("hf, norms ignored", hf_ignored),
                     ("hf, norm_output ignored", hf_no_output)):
         print(f"\n{name}: tau {r['tau']:.3f} acc {r['accept_per_position']}", end="")
@@ -239,7 +239,8 @@ def test_the_committed_drafter_shows_the_layer_id_convention(tmp_path):
     del cfg["eagle3"]          # our record of the meaning: with it, evaluate.py refuses the mismatch
     (shifted / "config.json").write_text(json.dumps(cfg, indent=2))
 
-    rep = _evaluate("vllm", [src, shifted], tmp_path / "out", num_prompts=NUM_PROMPTS_IDS, max_new=MAX_NEW_IDS)
+    rep = _evaluate("vllm", [src, shifted], tmp_path / "out", ["eval.baseline=false"],   # tau only: no plain decode
+                    num_prompts=NUM_PROMPTS_IDS, max_new=MAX_NEW_IDS)
     good, bad = rep["results"]
     assert good["engine_aux_layers"] == [2, 15, 27] and bad["engine_aux_layers"] == [3, 16, 28]
     rows = [json.loads(line) for line in (tmp_path / "out" / "per_prompt.jsonl").read_text().splitlines()]
