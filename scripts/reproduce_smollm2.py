@@ -105,13 +105,13 @@ LONG = {
         "long_b64_e5": ["train.batch_size=64", "optim.lr=2e-3", "train.epochs=5"],
         "long_b64_e10_g32": ["train.batch_size=64", "optim.lr=2e-3", "train.epochs=10", "train.length_groups=32"],
         "long_b32_e10_g32": ["train.batch_size=32", "optim.lr=1.5e-3", "train.epochs=10",   # the committed drafter
-                             "train.length_groups=32"],
-        # the committed recipe with EAGLE-3.1's norms, trained twice as long; and with the LK loss
-        "long_norms_b32_e20_g32": ["train.batch_size=32", "optim.lr=1.5e-3", "train.epochs=20",
-                                   "train.length_groups=32", "drafter.fc_norm=true", "drafter.norm_output=true"],
-        "long_lk_norms_b32_e10_g32": ["train.batch_size=32", "optim.lr=1.5e-3", "train.epochs=10",
-                                      "train.length_groups=32", "train.loss=lk", "drafter.fc_norm=true",
-                                      "drafter.norm_output=true"]}
+                             "train.length_groups=32"]}
+# the committed recipe with EAGLE-3.1's norms, with each loss, for ten and twenty epochs
+for _loss in ("soft_ce", "lk", "lk_alpha", "tv", "jsd"):
+    for _epochs in (10, 20):
+        LONG[f"long_{'' if _loss == 'soft_ce' else _loss + '_'}norms_b32_e{_epochs}_g32"] = [
+            "train.batch_size=32", "optim.lr=1.5e-3", f"train.epochs={_epochs}", "train.length_groups=32",
+            f"train.loss={_loss}", "drafter.fc_norm=true", "drafter.norm_output=true"]
 
 # ablations: the first ABL_CONVERSATIONS conversations of the answer file, two epochs of batch 16
 ABL_CONVERSATIONS = 4096
