@@ -18,9 +18,9 @@ its run directory WORK/runs/NAME:
     long_*         several epochs over all answers; long_b32_e10_g32 is the committed drafter's recipe
     abl_*          ablations: one technique each against abl_base, on identical data and steps (the
                    first 4,096 conversations, two epochs of batch 16): the loss (lk, lk_alpha, tv,
-                   jsd; kl has soft_ce's gradient), EAGLE-3.1's norms, TTT step weights and length,
-                   draft vocab 8,192, the head warm-started from the target's, four epochs, only
-                   each conversation's first turn
+                   jsd; kl has soft_ce's gradient), EAGLE-3.1's norms, TTT step weights (uniform,
+                   0.6^s) and length, draft vocab 8,192, the head warm-started from the target's,
+                   four epochs, only each conversation's first turn
     fmt_*          the ablation recipe trained offline from full and from compact features (capture.format);
                    the pair, from eval_ablations' output: python -m eagle3.judging
                    WORK/runs/eval_ablations/eval --reference fmt_full
@@ -106,12 +106,11 @@ LONG = {
         "long_b64_e10_g32": ["train.batch_size=64", "optim.lr=2e-3", "train.epochs=10", "train.length_groups=32"],
         "long_b32_e10_g32": ["train.batch_size=32", "optim.lr=1.5e-3", "train.epochs=10",   # the committed drafter
                              "train.length_groups=32"]}
-# the committed recipe with EAGLE-3.1's norms, with each loss, for ten and twenty epochs
-for _loss in ("soft_ce", "lk", "lk_alpha", "tv", "jsd"):
-    for _epochs in (10, 20):
-        LONG[f"long_{'' if _loss == 'soft_ce' else _loss + '_'}norms_b32_e{_epochs}_g32"] = [
-            "train.batch_size=32", "optim.lr=1.5e-3", f"train.epochs={_epochs}", "train.length_groups=32",
-            f"train.loss={_loss}", "drafter.fc_norm=true", "drafter.norm_output=true"]
+# the committed recipe with EAGLE-3.1's norms, for ten and for twenty epochs
+for _epochs in (10, 20):
+    LONG[f"long_norms_b32_e{_epochs}_g32"] = ["train.batch_size=32", "optim.lr=1.5e-3", f"train.epochs={_epochs}",
+                                              "train.length_groups=32", "drafter.fc_norm=true",
+                                              "drafter.norm_output=true"]
 
 # ablations: the first ABL_CONVERSATIONS conversations of the answer file, two epochs of batch 16
 ABL_CONVERSATIONS = 4096
@@ -123,6 +122,7 @@ ABLATE = {"abl_base": [],
           "abl_jsd": ["train.loss=jsd"],
           "abl_norms": ["drafter.fc_norm=true", "drafter.norm_output=true"],
           "abl_decay1": ["train.step_decay=1.0"],
+          "abl_decay06": ["train.step_decay=0.6"],
           "abl_ttt4": ["train.ttt_steps=4"],
           "abl_v8192": ["drafter.draft_vocab_size=8192"],
           "abl_warm": ["drafter.head_from_target=true"],
