@@ -7,10 +7,11 @@ setup:
 train: setup
 	.venv/bin/python train.py
 
-# Main suite in .venv (vLLM CPU engine included; the 15 slowest tests listed at the end), then the
+# Main suite in .venv (vLLM CPU engine included; the 15 slowest tests listed at the end), two test
+# files at a time (pytest-xdist; a file's tests stay together and share its fixtures), then the
 # SGLang suite in its own environment.
 test: setup
-	.venv/bin/python -m pytest tests -q -p no:cacheprovider --ignore=tests/sglang --durations=15
+	.venv/bin/python -m pytest tests -q -p no:cacheprovider --ignore=tests/sglang --durations=15 -n 2 --dist loadfile
 	.venv-sglang/bin/python -m pytest tests/sglang -q -p no:cacheprovider
 
 test-fast: setup
