@@ -20,7 +20,7 @@ its run directory WORK/runs/NAME:
                    first 4,096 conversations, two epochs of batch 16): the loss (lk, lk_alpha, tv,
                    jsd; kl has soft_ce's gradient), EAGLE-3.1's norms, TTT step weights (uniform,
                    0.6^s) and length, draft vocab 8,192, the head warm-started from the target's,
-                   four epochs, only each conversation's first turn
+                   four epochs, a 2x and a 4x wider MLP, only each conversation's first turn
     fmt_*          the ablation recipe trained offline from full and from compact features (capture.format);
                    the pair, from eval_ablations' output: python -m eagle3.judging
                    WORK/runs/eval_ablations/eval --reference fmt_full
@@ -106,11 +106,12 @@ LONG = {
         "long_b64_e10_g32": ["train.batch_size=64", "optim.lr=2e-3", "train.epochs=10", "train.length_groups=32"],
         "long_b32_e10_g32": ["train.batch_size=32", "optim.lr=1.5e-3", "train.epochs=10",   # the committed drafter
                              "train.length_groups=32"]}
-# the committed recipe with EAGLE-3.1's norms, for ten and for twenty epochs
+# the committed recipe with EAGLE-3.1's norms, for ten and for twenty epochs, and with a 4x wider MLP
+_NORMS = ["train.batch_size=32", "optim.lr=1.5e-3", "train.length_groups=32", "drafter.fc_norm=true",
+          "drafter.norm_output=true"]
 for _epochs in (10, 20):
-    LONG[f"long_norms_b32_e{_epochs}_g32"] = ["train.batch_size=32", "optim.lr=1.5e-3", f"train.epochs={_epochs}",
-                                              "train.length_groups=32", "drafter.fc_norm=true",
-                                              "drafter.norm_output=true"]
+    LONG[f"long_norms_b32_e{_epochs}_g32"] = [*_NORMS, f"train.epochs={_epochs}"]
+LONG["long_norms_mlp4x_b32_e10_g32"] = [*_NORMS, "train.epochs=10", "drafter.intermediate_size=6144"]
 
 # ablations: the first ABL_CONVERSATIONS conversations of the answer file, two epochs of batch 16
 ABL_CONVERSATIONS = 4096
@@ -127,6 +128,8 @@ ABLATE = {"abl_base": [],
           "abl_v8192": ["drafter.draft_vocab_size=8192"],
           "abl_warm": ["drafter.head_from_target=true"],
           "abl_e4": ["train.epochs=4"],
+          "abl_mlp2x": ["drafter.intermediate_size=3072"],      # the target's MLP width is 1,536
+          "abl_mlp4x": ["drafter.intermediate_size=6144"],
           "abl_turn1": ["data.turns=1"]}
 # the feature format: the ablation recipe trained offline from a full and from a compact feature
 # dataset of the same samples (same seed and steps)
