@@ -63,6 +63,7 @@ def parse_args():
         ap.add_argument(f"--{name}", type=int)
     ap.add_argument("--target-hidden", type=int, help="Ht (default: --hidden)")
     ap.add_argument("--num-aux", type=int, default=3)
+    ap.add_argument("--layers", type=int, default=1, help="drafter.num_layers")
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--ttt", type=int, default=7)
@@ -102,11 +103,12 @@ def parse_args():
 def train_flops(s: DrafterShape, B: int, T: int, steps: int) -> float:
     H, d = s.hidden_size, s.head_dim
     nh, nkv = s.num_attention_heads, s.num_key_value_heads
-    layer = 2 * H * (nh + 2 * nkv) * d + nh * d * H + 3 * H * s.intermediate_size
+    upper = H * (nh + 2 * nkv) * d + nh * d * H + 3 * H * s.intermediate_size    # a layer j >= 1
+    layer = H * (nh + 2 * nkv) * d + s.num_layers * upper           # layer 0 reads 2H: one more q/k/v
     fwd = 2 * B * T * s.num_aux * s.target_hidden_size * H
     for st in range(steps):
         fwd += 2 * B * T * (layer + H * s.draft_vocab_size)
-        fwd += 4 * B * nh * d * (T * (T + 1) / 2 + st * T)
+        fwd += 4 * B * nh * d * (T * (T + 1) / 2 + st * T) * s.num_layers
     return 3 * fwd
 
 
@@ -411,7 +413,8 @@ def main():
                          num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
                          head_dim=args.head_dim, vocab_size=args.vocab,
                          draft_vocab_size=args.draft_vocab, target_hidden_size=args.target_hidden,
-                         num_aux=args.num_aux, max_position_embeddings=max(4096, args.seq + args.ttt))
+                         num_aux=args.num_aux, max_position_embeddings=max(4096, args.seq + args.ttt),
+                         num_layers=args.layers)
     print(f"device        {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}"
           f"  torch {torch.__version__}  dtype {args.dtype}")
     print(f"shape         {shape}")

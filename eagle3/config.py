@@ -80,6 +80,7 @@ class DrafterConfig:
     head_from_target: bool = False            # start lm_head (the draft-vocab rows) and norm from the target's
     fc_norm: bool = False                     # EAGLE-3.1: an RMSNorm on each aux state before fc
     norm_output: bool = False                 # EAGLE-3.1: the next draft step reads the normed hidden
+    num_layers: int = 1                       # decoder layers: EAGLE-3's, then plain Llama layers (eagle3/model.py)
     rms_norm_eps: float = 0.0
     rope_theta: float = 0.0
     max_position_embeddings: int = 0

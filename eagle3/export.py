@@ -8,8 +8,8 @@ and the weights of the checkpoint `checkpoints/latest` names, and writes what th
 would have written at that step (a run stopped, killed or still running). It trains nothing and
 leaves metrics and checkpoints alone.
 
-Layout (docs/design.md): LlamaForCausalLMEagle3 with `fc`, `midlayer.*`, `norm`, `lm_head` over the
-draft vocab, `d2t [Vd] int64` (target_id - draft_id) and `t2d [V] bool`; with EAGLE-3.1's fc_norm
+Layout (docs/design.md): LlamaForCausalLMEagle3 with `fc`, `midlayer.*` (with num_layers > 1 also
+`layers.{j}.*`, each pre-norm under both engines' names), `norm`, `lm_head` over the draft vocab, `d2t [Vd] int64` (target_id - draft_id) and `t2d [V] bool`; with EAGLE-3.1's fc_norm
 also `fc_norm.{i}.weight`, and config.json's `fc_norm` / `norm_output` say which of its two norms
 the drafter uses (docs/ttt.md). The target's embedding is not exported: engines share the target's.
 The two directories differ only in `eagle_config.eagle_aux_hidden_state_layer_ids`, which each
@@ -90,6 +90,7 @@ def export_drafter(out_root: Path, model_state: Dict[str, torch.Tensor], shape, 
     """
     tensors = export_state_dict(model_state, d2t, t2d)
     check_norm_weights(tensors, shape)
+    check_layers(tensors, shape)
     written = {}
     for engine in engines:
         cfg = drafter_config(shape, aux_layers, engine, target_architectures, target_name, target_fingerprint)
@@ -125,6 +126,21 @@ def replace_dir(tmp: Path, final: Path) -> None:
     os.replace(tmp, final)
     fsync_dir(final.parent)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def check_layers(tensors: Dict[str, torch.Tensor], shape) -> None:
+    """config.json's num_hidden_layers must count the layers the weights hold (each engine builds
+    that many and leaves the weights of missing ones at their initial values), and every layer
+    j >= 1 must carry its pre-norm under both names with one value (vLLM reads input_layernorm,
+    SGLang hidden_norm)."""
+    have = sorted({int(k.split(".")[1]) for k in tensors if k.startswith("layers.")})
+    if have != list(range(1, shape.num_layers)):
+        raise ValueError(f"drafter weights hold layers {[0, *have]} but num_layers={shape.num_layers}: "
+                         f"export the shape the drafter was built with")
+    for j in have:
+        a, b = (tensors.get(f"layers.{j}.{n}.weight") for n in ("input_layernorm", "hidden_norm"))
+        if a is None or b is None or not torch.equal(a, b):
+            raise ValueError(f"layers.{j}: input_layernorm and hidden_norm must both be exported, equal")
 
 
 def check_norm_weights(tensors: Dict[str, torch.Tensor], shape) -> None:

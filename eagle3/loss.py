@@ -236,16 +236,19 @@ def _unroll(drafter: Eagle3Drafter, input_ids: torch.Tensor, aux: torch.Tensor, 
     ext = torch.cat([input_ids[:, 1:], input_ids.new_zeros(B, ttt_steps)], dim=1)  # [B, T-1+S]
     e_qkv = drafter.embed_qkv(ext, w)
     h = drafter.project(aux)
-    keys, extra, hs = None, ([], []), []
+    # per layer (each has its own attention): step-0 keys, seen causally by every step, and the
+    # later steps' keys, each row its own
+    keys, extra, hs = None, [([], []) for _ in range(drafter.shape.num_layers)], []
     for s in range(ttt_steps):
-        h_out, k, v = drafter.layer(e_qkv, h, (cos[:, s:s + T], sin[:, s:s + T]), w, keys,
-                                    extra if s else None, start=s)
+        h_out, ks, vs = drafter.layer(e_qkv, h, (cos[:, s:s + T], sin[:, s:s + T]), w, keys,
+                                      extra if s else None, start=s)
         h = drafter.carry(h_out)                        # what step s+1 reads
         if s == 0:
-            keys = (k, v)                               # step-0 keys: seen causally by every step
+            keys = list(zip(ks, vs))
         else:
-            extra[0].append(k)                          # later steps' keys: each row its own
-            extra[1].append(v)
+            for (ek, ev), k, v in zip(extra, ks, vs):
+                ek.append(k)
+                ev.append(v)
         hs.append(h_out)
     return hs, h
 

@@ -9,6 +9,16 @@ One step of the drafter, for rows of token ids x and hidden states h [.., H]:
     logits = lm_head(norm(h2))                              # [.., Vd] over the draft vocab
     next h = h2, or norm(h2) with norm_output               # what the next draft step reads
 
+With num_layers = N > 1, layers 1..N-1 follow layer 0 as plain pre-norm Llama layers over the
+residual stream (both engines' N-layer LlamaForCausalLMEagle3; the embedding enters layer 0 only):
+
+    a   = prenorm_j(h2)                                     # [.., H]; q/k/v take H inputs
+    h1  = h2 + o_proj_j(attention_j(..))                    # each layer its own keys and values
+    h2  = h1 + mlp_j(post_attention_layernorm_j(h1))
+
+and logits / next h read the last layer's h2. prenorm_j is `input_layernorm` in vLLM and
+`hidden_norm` in SGLang: the export writes both names with one value (`UpperLayer`).
+
 h is fc(aux) [k*Ht -> H] for rows that come from the target (step 0) and the drafter's own output
 of the previous step afterwards. With fc_norm, each of the k aux states gets its own RMSNorm [Ht]
 before fc: fc(cat[fc_norm_i(aux_i)]). fc_norm and norm_output are EAGLE-3.1's two changes; both
@@ -25,8 +35,8 @@ step-0 keys plus each row's own later-step keys, docs/ttt.md) and inference with
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Dict, Optional
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -54,12 +64,13 @@ class DrafterShape:
     hidden_act: str = "silu"
     fc_norm: bool = False           # EAGLE-3.1: an RMSNorm [Ht] on each aux state before fc
     norm_output: bool = False       # EAGLE-3.1: the next step reads norm(h_out), not h_out
+    num_layers: int = 1             # decoder layers: the EAGLE-3 layer, then num_layers-1 Llama layers
 
     def to_hf_config(self) -> dict:
-        """The Llama fields of the export's config.json (one decoder layer). The exporter adds
-        `architectures`, `eagle_config` (engine aux ids) and dtype."""
+        """The Llama fields of the export's config.json. The exporter adds `architectures`,
+        `eagle_config` (engine aux ids) and dtype."""
         return {
-            "model_type": "llama", "num_hidden_layers": 1,
+            "model_type": "llama", "num_hidden_layers": self.num_layers,
             "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
             "num_attention_heads": self.num_attention_heads,
             "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
@@ -98,15 +109,17 @@ class DrafterShape:
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             hidden_act=cfg.get("hidden_act", "silu"),
             fc_norm=bool(cfg.get("fc_norm") or cfg.get("use_aux_norm")),
-            norm_output=bool(cfg.get("norm_output")))
+            norm_output=bool(cfg.get("norm_output")),
+            num_layers=int(cfg.get("num_hidden_layers", 1)))
 
     def num_trainable(self) -> int:
         """Trainable parameter count (everything but the shared embedding)."""
         h, d = self.hidden_size, self.head_dim
-        qkv = 2 * h * (self.num_attention_heads + 2 * self.num_key_value_heads) * d
-        layer = qkv + self.num_attention_heads * d * h + 3 * h * self.intermediate_size + 3 * h
+        qkv = h * (self.num_attention_heads + 2 * self.num_key_value_heads) * d   # per H inputs
+        rest = self.num_attention_heads * d * h + 3 * h * self.intermediate_size
+        layers = 2 * qkv + rest + 3 * h + (self.num_layers - 1) * (qkv + rest + 2 * h)
         fc_norm = self.num_aux * self.target_hidden_size if self.fc_norm else 0
-        return self.num_aux * self.target_hidden_size * h + fc_norm + layer + h + h * self.draft_vocab_size
+        return self.num_aux * self.target_hidden_size * h + fc_norm + layers + h + h * self.draft_vocab_size
 
 
 # Engine options of LlamaForCausalLMEagle3 that change the network and are not built here.
@@ -118,8 +131,10 @@ _MLA_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2")
 
 def drafter_shape(target, cfg, num_aux: int, draft_vocab_size: int) -> DrafterShape:
     """The drafter's shape: values given in `cfg` (eagle3.config.DrafterConfig; 0 = derive), the
-    rest from `target` (eagle3.targets.TargetInfo): one decoder layer shaped like the target's.
-    The hidden size must be the target's: the drafter embeds with the target's own table."""
+    rest from `target` (eagle3.targets.TargetInfo): cfg.num_layers decoder layers shaped like the
+    target's. The hidden size must be the target's: the drafter embeds with the target's own table."""
+    if cfg.num_layers < 1:
+        raise ValueError(f"drafter.num_layers={cfg.num_layers}: a drafter has at least one layer")
     if cfg.hidden_size and cfg.hidden_size != target.hidden_size:
         raise ValueError(f"drafter.hidden_size={cfg.hidden_size} but the target's is "
                          f"{target.hidden_size}: the drafter shares the target's embedding")
@@ -139,7 +154,7 @@ def drafter_shape(target, cfg, num_aux: int, draft_vocab_size: int) -> DrafterSh
         rms_norm_eps=cfg.rms_norm_eps or target.rms_norm_eps,
         rope_theta=cfg.rope_theta or target.rope_theta,
         max_position_embeddings=cfg.max_position_embeddings or target.max_position_embeddings or 4096,
-        fc_norm=cfg.fc_norm, norm_output=cfg.norm_output)
+        fc_norm=cfg.fc_norm, norm_output=cfg.norm_output, num_layers=cfg.num_layers)
 
 
 class RMSNorm(nn.Module):
@@ -189,7 +204,8 @@ class UnrollWeights:
     q/k/v are fused ([nh*d + 2*nkv*d] output rows) and split by input columns: `embed` [N, H] reads
     input_layernorm(embed(x)) and is used once for all TTT steps; `hidden` reads hidden_norm(h).
     It and the others serve every TTT step, so their gradients are summed inside the GEMMs
-    (eagle3/reused.py); `embed` goes the same way for its one use."""
+    (eagle3/reused.py); `embed` goes the same way for its one use. These are layer 0's; `upper`
+    holds layers 1.. (num_layers > 1)."""
     embed: Reused
     hidden: Reused
     o: Reused
@@ -197,6 +213,18 @@ class UnrollWeights:
     up: Reused
     down: Reused
     lm_head: Reused
+    upper: List["LayerWeights"] = field(default_factory=list)
+
+
+@dataclass
+class LayerWeights:
+    """A layer j >= 1's weights for one unroll: q/k/v fused [nh*d + 2*nkv*d, H], and the rest as
+    in UnrollWeights."""
+    qkv: Reused
+    o: Reused
+    gate: Reused
+    up: Reused
+    down: Reused
 
 
 _QKV = ("q_proj", "k_proj", "v_proj")
@@ -220,16 +248,24 @@ class Attention(nn.Module):
     full-width buffers per half.
     state_dict() and load_state_dict() still speak the engines' q_proj/k_proj/v_proj
     [nh*d or nkv*d, 2H] (`to_engine_names`, `from_engine_names`), so exports, checkpoints and tests
-    see the layout SGLang and vLLM load."""
+    see the layout SGLang and vLLM load.
 
-    def __init__(self, s: DrafterShape):
+    first=False: the attention of a layer j >= 1, over [H] inputs; q/k/v are stored fused as one
+    `qkv` [nh*d + 2*nkv*d, H] and exported as q_proj/k_proj/v_proj [.., H]."""
+
+    def __init__(self, s: DrafterShape, first: bool = True):
         super().__init__()
         self.nh, self.nkv, self.d, self.theta = (s.num_attention_heads, s.num_key_value_heads,
                                                  s.head_dim, s.rope_theta)
+        self.first = first
         rows, H = (self.nh + 2 * self.nkv) * self.d, s.hidden_size
-        bound = (2 * H) ** -0.5                  # nn.Linear(2H, rows)'s default init, per half
-        self.qkv_embed = nn.Parameter(torch.empty(rows, H).uniform_(-bound, bound))
-        self.qkv_hidden = nn.Parameter(torch.empty(rows, H).uniform_(-bound, bound))
+        if first:
+            bound = (2 * H) ** -0.5              # nn.Linear(2H, rows)'s default init, per half
+            self.qkv_embed = nn.Parameter(torch.empty(rows, H).uniform_(-bound, bound))
+            self.qkv_hidden = nn.Parameter(torch.empty(rows, H).uniform_(-bound, bound))
+        else:
+            bound = H ** -0.5                    # nn.Linear(H, rows)'s default init
+            self.qkv = nn.Parameter(torch.empty(rows, H).uniform_(-bound, bound))
         self.o_proj = nn.Linear(self.nh * self.d, s.hidden_size, bias=False)
         self.register_state_dict_post_hook(_engine_names_hook)
         self.register_load_state_dict_pre_hook(_stored_names_hook)
@@ -239,7 +275,13 @@ class Attention(nn.Module):
 
     def to_engine_names(self, sd: Dict[str, torch.Tensor], prefix: str = "") -> Dict[str, torch.Tensor]:
         """In place: prefix+qkv_embed / qkv_hidden -> prefix+q_proj.weight, k_proj.weight, v_proj.weight
-        [rows, 2H] (embedding half first). Keys already in engine names are left alone."""
+        [rows, 2H] (embedding half first); for first=False prefix+qkv -> the three [rows, H].
+        Keys already in engine names are left alone."""
+        if not self.first:
+            if prefix + "qkv" in sd:
+                for name, w in zip(_QKV, sd.pop(prefix + "qkv").split(self._split_rows())):
+                    sd[f"{prefix}{name}.weight"] = w
+            return sd
         if prefix + "qkv_embed" not in sd:
             return sd
         e, h = sd.pop(prefix + "qkv_embed"), sd.pop(prefix + "qkv_hidden")
@@ -252,6 +294,9 @@ class Attention(nn.Module):
         if prefix + "q_proj.weight" not in sd:
             return sd
         ws = [sd.pop(f"{prefix}{name}.weight") for name in _QKV]
+        if not self.first:
+            sd[prefix + "qkv"] = torch.cat(ws)
+            return sd
         H = ws[0].shape[1] // 2
         sd[prefix + "qkv_embed"] = torch.cat([w[:, :H] for w in ws])
         sd[prefix + "qkv_hidden"] = torch.cat([w[:, H:] for w in ws])
@@ -324,27 +369,73 @@ class DecoderLayer(nn.Module):
         return h, k, v
 
 
+class UpperLayer(nn.Module):
+    """Decoder layer j >= 1: a pre-norm Llama layer over the residual stream (the module doc).
+
+    Its one pre-norm is `input_layernorm` in state_dict(); the export adds `hidden_norm` with the
+    same value (`with_hidden_norm`), since vLLM's layer reads the first and SGLang's the second,
+    and each engine leaves a weight missing from the checkpoint silently at its initial value.
+    Loading checks the two agree and keeps one."""
+
+    def __init__(self, s: DrafterShape):
+        super().__init__()
+        self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.self_attn = Attention(s, first=False)
+        self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.mlp = MLP(s)
+        self.register_load_state_dict_pre_hook(_drop_hidden_norm_hook)
+
+    def forward(self, h, angles, w: LayerWeights, keys=None, extra=None):
+        qkv = linear(self.input_layernorm(h), w.qkv)
+        h, k, v = self.self_attn(qkv, angles, w.o, keys, extra, residual=h)
+        h = self.mlp(self.post_attention_layernorm(h), w, residual=h)
+        return h, k, v
+
+
+def with_hidden_norm(sd: Dict[str, torch.Tensor], prefix: str) -> None:
+    """In place: prefix+hidden_norm.weight, a copy of prefix+input_layernorm.weight (a tensor of
+    its own: safetensors refuses two names for one storage)."""
+    if prefix + "input_layernorm.weight" in sd:
+        sd[prefix + "hidden_norm.weight"] = sd[prefix + "input_layernorm.weight"].detach().clone()
+
+
+def _drop_hidden_norm_hook(module, sd, prefix, *unused) -> None:
+    norm = sd.pop(prefix + "hidden_norm.weight", None)
+    if norm is not None and prefix + "input_layernorm.weight" in sd and not torch.equal(
+            norm.to(sd[prefix + "input_layernorm.weight"].dtype), sd[prefix + "input_layernorm.weight"]):
+        raise ValueError(f"{prefix}hidden_norm.weight differs from {prefix}input_layernorm.weight: "
+                         f"vLLM reads the one and SGLang the other, so this drafter has no one meaning")
+
+
 @dataclass
 class DraftKVCache:
-    """Rotated keys and values of the rows a drafter has seen, [B, nkv, L, d] each.
+    """Rotated keys and values of the rows a drafter has seen, per layer [B, nkv, L, d] each.
 
     Inference keeps one per batch of sequences that share a length (the evaluation drafts one
     sequence at a time). After the target's verify step, `truncate(n)` drops the rows of rejected
     draft tokens; the accepted rows are then re-fed with the target's hidden states."""
-    k: Optional[torch.Tensor] = None
-    v: Optional[torch.Tensor] = None
+    k: List[torch.Tensor] = field(default_factory=list)
+    v: List[torch.Tensor] = field(default_factory=list)
 
     @property
     def length(self) -> int:
-        return 0 if self.k is None else self.k.shape[2]
+        return self.k[0].shape[2] if self.k else 0
+
+    def keys(self):
+        """Eagle3Drafter.layer's `keys`: None when empty, else (k, v) per layer."""
+        return list(zip(self.k, self.v)) if self.k else None
 
     def truncate(self, n: int) -> None:
-        if self.k is not None:
-            self.k, self.v = self.k[:, :, :n], self.v[:, :, :n]
+        self.k = [k[:, :, :n] for k in self.k]
+        self.v = [v[:, :, :n] for v in self.v]
 
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
-        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+    def append(self, ks: List[torch.Tensor], vs: List[torch.Tensor]) -> None:
+        """ks, vs: each layer's new rows."""
+        if not self.k:
+            self.k, self.v = list(ks), list(vs)
+        else:
+            self.k = [torch.cat([c, k], dim=2) for c, k in zip(self.k, ks)]
+            self.v = [torch.cat([c, v], dim=2) for c, v in zip(self.v, vs)]
 
 
 class Eagle3Drafter(nn.Module):
@@ -362,6 +453,8 @@ class Eagle3Drafter(nn.Module):
                         if s.fc_norm else None)
         self.fc = nn.Linear(s.num_aux * s.target_hidden_size, s.hidden_size, bias=False)
         self.midlayer = DecoderLayer(s)
+        # layers 1..: the engines' names layers.{j}.* (layer 0 keeps EAGLE-3's midlayer.*)
+        self.layers = nn.ModuleDict({str(j): UpperLayer(s) for j in range(1, s.num_layers)})
         self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.lm_head = nn.Linear(s.hidden_size, s.draft_vocab_size, bias=False)
 
@@ -383,10 +476,13 @@ class Eagle3Drafter(nn.Module):
         and logits read them (training-time test: S layer steps; inference: one call)."""
         attn, mlp = self.midlayer.self_attn, self.midlayer.mlp
         dt = self._compute_dtype()
+        upper = [LayerWeights(qkv=reuse(l.self_attn.qkv, dt), o=reuse(l.self_attn.o_proj.weight, dt),
+                              gate=reuse(l.mlp.gate_proj.weight, dt), up=reuse(l.mlp.up_proj.weight, dt),
+                              down=reuse(l.mlp.down_proj.weight, dt)) for l in self.layers.values()]
         return UnrollWeights(embed=reuse(attn.qkv_embed, dt), hidden=reuse(attn.qkv_hidden, dt),
                              o=reuse(attn.o_proj.weight, dt), gate=reuse(mlp.gate_proj.weight, dt),
                              up=reuse(mlp.up_proj.weight, dt), down=reuse(mlp.down_proj.weight, dt),
-                             lm_head=reuse(self.lm_head.weight, dt))
+                             lm_head=reuse(self.lm_head.weight, dt), upper=upper)
 
     def embed_qkv(self, input_ids: torch.Tensor, w: UnrollWeights) -> Reused:
         """input_ids [B, L] -> [B, L, N]: the tokens' part of q/k/v (see DecoderLayer.embed_qkv)."""
@@ -401,8 +497,16 @@ class Eagle3Drafter(nn.Module):
     def layer(self, e_qkv: Reused, h, angles, w: UnrollWeights, keys=None, extra=None, start: int = 0):
         """One drafter step over rows: e_qkv (embed_qkv of [B, L] tokens; the rows read its rows
         start..start+T-1), h [B, T, H], angles: rope_angles of the rows' positions [B, T]; keys, extra
-        as Attention.forward. Returns (h_out [B, T, H] pre-norm, k, v [B, nkv, T, d] of this call)."""
-        return self.midlayer(e_qkv, h, angles, w, keys, extra, start)
+        as Attention.forward, one entry per layer (keys: None or [(k, v)]; extra: None or
+        [(keys, values)]). Returns (h_out [B, T, H] pre-norm, ks, vs: per layer, k, v
+        [B, nkv, T, d] of this call)."""
+        h, k, v = self.midlayer(e_qkv, h, angles, w, keys and keys[0], extra and extra[0], start)
+        ks, vs = [k], [v]
+        for j, (layer, lw) in enumerate(zip(self.layers.values(), w.upper), 1):
+            h, k, v = layer(h, angles, lw, keys and keys[j], extra and extra[j])
+            ks.append(k)
+            vs.append(v)
+        return h, ks, vs
 
     def logits(self, h_out: torch.Tensor, w: UnrollWeights) -> torch.Tensor:
         """[.., H] pre-norm hidden -> [.., Vd] draft-vocab logits."""
@@ -433,9 +537,9 @@ class Eagle3Drafter(nn.Module):
         cached row and, causally, each other; their keys/values are appended to `cache`.
         Returns (logits [B, Tq, Vd], the hidden the next step reads [B, Tq, H]: `carry`)."""
         w = self.weights()
-        keys = None if cache.k is None else (cache.k, cache.v)
-        h_out, k, v = self.layer(self.embed_qkv(input_ids, w), h, self.rope_angles(positions), w, keys)
-        cache.append(k, v)
+        h_out, ks, vs = self.layer(self.embed_qkv(input_ids, w), h, self.rope_angles(positions), w,
+                                   cache.keys())
+        cache.append(ks, vs)
         return self.logits(h_out, w), self.carry(h_out)
 
     # -- export -----------------------------------------------------------------------------------
@@ -446,11 +550,17 @@ class Eagle3Drafter(nn.Module):
 
     def to_engine_names(self, state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         """A dict keyed by parameter names (DeepSpeed ZeRO-3 gathers those, skipping state_dict's
-        hooks) with the engines' q_proj/k_proj/v_proj instead; engine names pass through."""
-        return self.midlayer.self_attn.to_engine_names(dict(state), "midlayer.self_attn.")
+        hooks) with the engines' q_proj/k_proj/v_proj instead, and layers j >= 1's hidden_norm
+        (`UpperLayer`); engine names pass through."""
+        sd = self.midlayer.self_attn.to_engine_names(dict(state), "midlayer.self_attn.")
+        for j, layer in self.layers.items():
+            layer.self_attn.to_engine_names(sd, f"layers.{j}.self_attn.")
+            with_hidden_norm(sd, f"layers.{j}.")
+        return sd
 
     def exportable_state_dict(self) -> Dict[str, torch.Tensor]:
         """Every trainable weight under its export name (no embed_tokens); d2t/t2d come from
         the DraftVocab."""
-        return {k: v for k, v in self.state_dict().items() if not k.startswith("embed_tokens.")}
+        return self.to_engine_names({k: v for k, v in self.state_dict().items()
+                                     if not k.startswith("embed_tokens.")})
 

@@ -1,6 +1,6 @@
 """Weights used at every TTT step, with their gradient summed inside the GEMMs.
 
-Training-time test runs the drafter's one layer and its lm_head S times (eagle3/loss.py), so each
+Training-time test runs the drafter's layers and its lm_head S times (eagle3/loss.py), so each
 of those weights gets S gradient contributions. Plain autograd writes each contribution as its
 own weight-sized tensor and adds them one by one: S writes plus S-1 read-read-write passes over
 every weight. Here the weight is cast

@@ -94,7 +94,7 @@ def naive_ttt(d, input_ids, loss_mask, attention_mask, aux, final, target_lm_hea
     for b in range(B):
         real = attention_mask[b]
         hid = {}                    # (s, t) -> h_out
-        K, V = {}, {}               # (s, t) -> [nkv, hd] rotated key, value
+        K, V = {}, {}               # (layer, s, t) -> [nkv, hd] rotated key, value
         for s in range(steps):
             xs = {}
             for t in range(T):      # this step's inputs, keys and values, row by row
@@ -108,31 +108,42 @@ def naive_ttt(d, input_ids, loss_mask, attention_mask, aux, final, target_lm_hea
                     h_in = rms(hid[(s - 1, t)], P["norm.weight"])
                 else:
                     h_in = hid[(s - 1, t)]
+                # layer 0 reads the token and the hidden; its residual is the un-normed hidden
                 a = torch.cat([rms(P["embed_tokens.weight"][tok], P[m + "input_layernorm.weight"]),
                                rms(h_in, P[m + "hidden_norm.weight"])])
-                q = (P[m + "self_attn.q_proj.weight"] @ a).view(nh, hd)
-                k = (P[m + "self_attn.k_proj.weight"] @ a).view(nkv, hd)
-                v = (P[m + "self_attn.v_proj.weight"] @ a).view(nkv, hd)
-                q = torch.stack([rope_vec(q[i], t + s, SHAPE.rope_theta) for i in range(nh)])
-                k = torch.stack([rope_vec(k[i], t + s, SHAPE.rope_theta) for i in range(nkv)])
-                xs[t] = (h_in, q)
-                K[(s, t)], V[(s, t)] = k, v
+                xs[t] = (h_in, a)
+            for layer in range(d.shape.num_layers):
+                lp = m if layer == 0 else f"layers.{layer}."
+                qs = {}
+                for t in range(T):
+                    res, a = xs[t]
+                    q = (P[lp + "self_attn.q_proj.weight"] @ a).view(nh, hd)
+                    k = (P[lp + "self_attn.k_proj.weight"] @ a).view(nkv, hd)
+                    v = (P[lp + "self_attn.v_proj.weight"] @ a).view(nkv, hd)
+                    qs[t] = torch.stack([rope_vec(q[i], t + s, SHAPE.rope_theta) for i in range(nh)])
+                    k = torch.stack([rope_vec(k[i], t + s, SHAPE.rope_theta) for i in range(nkv)])
+                    K[(layer, s, t)], V[(layer, s, t)] = k, v
+                for t in range(T):
+                    res, q = xs[t][0], qs[t]
+                    # this layer's keys: step-0 rows j <= t (real, or itself), then this row's steps 1..s
+                    seen = [(layer, 0, j) for j in range(t + 1) if real[j] or j == t]
+                    seen += [(layer, r, t) for r in range(1, s + 1)]
+                    heads = []
+                    for i in range(nh):
+                        g = i // (nh // nkv)
+                        sc = torch.stack([q[i] @ K[key][g] for key in seen]) / math.sqrt(hd)
+                        w = torch.softmax(sc, 0)
+                        heads.append(sum(w[n] * V[key][g] for n, key in enumerate(seen)))
+                    h1 = res + P[lp + "self_attn.o_proj.weight"] @ torch.cat(heads)
+                    x = rms(h1, P[lp + "post_attention_layernorm.weight"])
+                    gate = P[lp + "mlp.gate_proj.weight"] @ x
+                    h2 = h1 + P[lp + "mlp.down_proj.weight"] @ (
+                        torch.nn.functional.silu(gate) * (P[lp + "mlp.up_proj.weight"] @ x))
+                    # a layer j >= 1 reads the residual stream, pre-normed (no embedding)
+                    nxt = f"layers.{layer + 1}.input_layernorm.weight"
+                    xs[t] = (h2, rms(h2, P[nxt]) if nxt in P else None)
             for t in range(T):
-                h_in, q = xs[t]
-                # keys: step-0 rows j <= t (real, or itself), then this row's steps 1..s
-                seen = [(0, j) for j in range(t + 1) if real[j] or j == t]
-                seen += [(r, t) for r in range(1, s + 1)]
-                heads = []
-                for i in range(nh):
-                    g = i // (nh // nkv)
-                    sc = torch.stack([q[i] @ K[key][g] for key in seen]) / math.sqrt(hd)
-                    w = torch.softmax(sc, 0)
-                    heads.append(sum(w[n] * V[key][g] for n, key in enumerate(seen)))
-                h1 = h_in + P[m + "self_attn.o_proj.weight"] @ torch.cat(heads)
-                x = rms(h1, P[m + "post_attention_layernorm.weight"])
-                gate = P[m + "mlp.gate_proj.weight"] @ x
-                h2 = h1 + P[m + "mlp.down_proj.weight"] @ (
-                    torch.nn.functional.silu(gate) * (P[m + "mlp.up_proj.weight"] @ x))
+                h2 = xs[t][0]
                 hid[(s, t)] = h2
                 # the prediction of x_{t+2+s}, taught by the target at row t+1+s
                 if t + 2 + s >= T or not (loss_mask[b, t + 2 + s] and real[t + 2 + s]):
@@ -201,6 +212,28 @@ def test_ttt_loss_and_grads_equal_naive_reference(loss):
         assert got[name].abs().sum() > 0, name                         # every weight is trained
 
 
+@pytest.mark.parametrize("norms", [dict(num_layers=2), dict(num_layers=3, norm_output=True)])
+def test_layers_in_ttt_equal_naive_reference(norms):
+    """num_layers > 1: layers j >= 1 (pre-norm Llama layers over the residual stream, each with its
+    own keys and values across the TTT steps): loss and the gradient of every weight."""
+    d, batch, vocab = make_case(seed=4, **norms)
+    out = ttt_loss(d, **batch, vocab=vocab, ttt_steps=3, decay=0.8)
+    got = grads(d, out.loss)
+    ref_loss, _, ref_hits, ref_counts, _ = naive_ttt(d, **batch, vocab=vocab, steps=3, decay=0.8)
+    want = grads(d, ref_loss)
+    torch.testing.assert_close(out.loss, ref_loss, rtol=1e-10, atol=1e-12)
+    assert out.count.tolist() == ref_counts and out.correct.tolist() == ref_hits
+    assert set(got) == set(want)
+    assert {n for n in got if n.startswith("layers.")} == {
+        f"layers.{j}.{n}" for j in range(1, norms["num_layers"]) for n in (
+            "input_layernorm.weight", "self_attn.qkv", "self_attn.o_proj.weight",
+            "post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+            "mlp.down_proj.weight")}
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-9, atol=1e-11, msg=name)
+        assert got[name].abs().sum() > 0, name
+
+
 @pytest.mark.parametrize("norms", NORMS)
 @pytest.mark.parametrize("loss", ["soft_ce", "lk"])
 def test_eagle31_norms_in_ttt_equal_naive_reference(norms, loss):
@@ -242,7 +275,7 @@ def test_chain_acceptance_counts_a_chain_only_while_every_step_hits():
     assert all(a < b for a, b in zip(accept[1:], acc[1:]))
 
 
-@pytest.mark.parametrize("norms", [{}] + NORMS)
+@pytest.mark.parametrize("norms", [{}] + NORMS + [dict(num_layers=2), dict(num_layers=2, norm_output=True)])
 def test_naive_reference_is_the_cached_inference_chain(norms):
     """Row t at step s of TTT == drafting s steps from row t with a KV cache (the engine's view:
     step-0 rows 0..t in the cache, then the chain at positions t+1, t+2, ...)."""

@@ -1,5 +1,6 @@
 """The drafter against an independent re-implementation of SGLang's LlamaForCausalLMEagle3 math,
 and its cached (inference) path against its full causal forward."""
+import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -48,15 +49,26 @@ def neox_rope(x, pos, theta):
 
 
 def sglang_eagle3_forward(sd, s: DrafterShape, aux, ids):
-    """One sequence: aux [T, k*Ht], ids [T] -> (logits [T, Vd], aux_out [T, H])."""
-    eps, T = s.rms_norm_eps, ids.shape[0]
-    p = "midlayer."
+    """One sequence: aux [T, k*Ht], ids [T] -> (logits [T, Vd], aux_out [T, H]). Layers j >= 1
+    (SGLang's LlamaDecoderLayer with layer_id > 0) pre-norm the residual stream with hidden_norm."""
+    eps = s.rms_norm_eps
     hidden = aux @ sd["fc.weight"].T                                   # fc on the aux concat
     embeds = sd["embed_tokens.weight"][ids]
     residual = hidden
-    hidden = sgl_rmsnorm(hidden, sd[p + "hidden_norm.weight"], eps)
-    embeds = sgl_rmsnorm(embeds, sd[p + "input_layernorm.weight"], eps)
-    x = torch.cat([embeds, hidden], dim=-1)
+    hidden = sgl_rmsnorm(hidden, sd["midlayer.hidden_norm.weight"], eps)
+    embeds = sgl_rmsnorm(embeds, sd["midlayer.input_layernorm.weight"], eps)
+    hidden, residual = sgl_layer(sd, s, "midlayer.", torch.cat([embeds, hidden], dim=-1), residual)
+    for j in range(1, s.num_layers):
+        p = f"layers.{j}."
+        x, residual = sgl_rmsnorm(hidden, sd[p + "hidden_norm.weight"], eps, residual)
+        hidden, residual = sgl_layer(sd, s, p, x, residual)
+    to_logits, to_aux = sgl_rmsnorm(hidden, sd["norm.weight"], eps, residual)
+    return to_logits @ sd["lm_head.weight"].T, to_aux
+
+
+def sgl_layer(sd, s: DrafterShape, p, x, residual):
+    """A decoder layer from its (normed) attention input x [T, 2H or H] -> (mlp out, residual)."""
+    eps, T = s.rms_norm_eps, x.shape[0]
     nh, nkv, d = s.num_attention_heads, s.num_key_value_heads, s.head_dim
     q = (x @ sd[p + "self_attn.q_proj.weight"].T).view(T, nh, d)
     k = (x @ sd[p + "self_attn.k_proj.weight"].T).view(T, nkv, d)
@@ -76,8 +88,7 @@ def sglang_eagle3_forward(sd, s: DrafterShape, aux, ids):
     gate = hidden @ sd[p + "mlp.gate_proj.weight"].T
     up = hidden @ sd[p + "mlp.up_proj.weight"].T
     hidden = (gate * torch.sigmoid(gate) * up) @ sd[p + "mlp.down_proj.weight"].T
-    to_logits, to_aux = sgl_rmsnorm(hidden, sd["norm.weight"], eps, residual)
-    return to_logits @ sd["lm_head.weight"].T, to_aux
+    return hidden, residual
 
 
 EXPORT_NAMES = {
@@ -128,24 +139,29 @@ def test_stored_qkv_halves_map_to_engine_weights_and_back():
     assert d.to_engine_names(sd).keys() == sd.keys()
 
 
-def test_forward_matches_sglang_math_with_padding():
-    d = make_drafter()
+SHAPE2 = dataclasses.replace(SHAPE, num_layers=2)
+
+
+@pytest.mark.parametrize("shape", [SHAPE, SHAPE2], ids=["1layer", "2layers"])
+def test_forward_matches_sglang_math_with_padding(shape):
+    d = make_drafter(shape=shape)
     torch.manual_seed(1)
     B, T, lengths = 2, 7, [7, 4]
     aux = torch.randn(B, T, 72, dtype=torch.float64)
     ids = torch.randint(0, 50, (B, T))
     mask = torch.tensor([[i < n for i in range(T)] for n in lengths])
     logits, h_out = d(aux, ids, mask)
-    sd = d.state_dict()
+    sd = d.exportable_state_dict() | {"embed_tokens.weight": d.embed_tokens.weight}
     for b, n in enumerate(lengths):
-        ref_logits, ref_aux = sglang_eagle3_forward(sd, SHAPE, aux[b, :n], ids[b, :n])
+        ref_logits, ref_aux = sglang_eagle3_forward(sd, shape, aux[b, :n], ids[b, :n])
         torch.testing.assert_close(logits[b, :n], ref_logits, rtol=1e-10, atol=1e-10)
         torch.testing.assert_close(h_out[b, :n], ref_aux, rtol=1e-10, atol=1e-10)
     assert torch.isfinite(logits).all()                               # padded rows stay finite
 
 
-def test_cached_inference_equals_full_forward():
-    d = make_drafter(seed=2)
+@pytest.mark.parametrize("shape", [SHAPE, SHAPE2], ids=["1layer", "2layers"])
+def test_cached_inference_equals_full_forward(shape):
+    d = make_drafter(seed=2, shape=shape)
     torch.manual_seed(3)
     T = 8
     aux = torch.randn(1, T, 72, dtype=torch.float64)
@@ -173,6 +189,46 @@ def test_cached_inference_equals_full_forward():
     torch.testing.assert_close(lg, full_logits[:, 5:], rtol=1e-10, atol=1e-10)
 
 
+# layer 1 of a two-layer drafter: a Llama layer over [H] inputs, its pre-norm under both engines' names
+LAYER1_NAMES = {
+    "layers.1.input_layernorm.weight": (32,), "layers.1.hidden_norm.weight": (32,),
+    "layers.1.self_attn.q_proj.weight": (64, 32), "layers.1.self_attn.k_proj.weight": (32, 32),
+    "layers.1.self_attn.v_proj.weight": (32, 32), "layers.1.self_attn.o_proj.weight": (32, 64),
+    "layers.1.post_attention_layernorm.weight": (32,),
+    "layers.1.mlp.gate_proj.weight": (48, 32), "layers.1.mlp.up_proj.weight": (48, 32),
+    "layers.1.mlp.down_proj.weight": (32, 48),
+}
+
+
+def test_two_layers_are_named_counted_and_loaded_as_the_engines_name_them():
+    d = make_drafter(seed=4, shape=SHAPE2)
+    exported = d.exportable_state_dict()
+    assert {n: tuple(t.shape) for n, t in exported.items()} == {**EXPORT_NAMES, **LAYER1_NAMES}
+    a, b = exported["layers.1.input_layernorm.weight"], exported["layers.1.hidden_norm.weight"]
+    assert torch.equal(a, b) and a.data_ptr() != b.data_ptr()        # one value, two tensors
+    assert not torch.equal(a, torch.ones_like(a))
+    # state_dict (checkpoints) holds the one norm; q/k/v in the engines' names
+    assert "layers.1.hidden_norm.weight" not in d.state_dict()
+    assert set(d.state_dict()) == set(exported) - {"layers.1.hidden_norm.weight"} | {"embed_tokens.weight"}
+    stored = d.layers["1"].self_attn.qkv
+    assert torch.equal(torch.cat([exported[f"layers.1.self_attn.{n}_proj.weight"] for n in "qkv"]), stored)
+    assert SHAPE2.num_trainable() == sum(p.numel() for p in d.parameters() if p.requires_grad)
+    assert SHAPE2.num_trainable() - SHAPE.num_trainable() == 128 * 32 + 32 * 64 + 3 * 32 * 48 + 2 * 32
+    # the export's names load back (both norms) and so do the checkpoint's
+    for sd in (exported, d.state_dict()):
+        fresh = Eagle3Drafter(SHAPE2).double()
+        fresh.load_state_dict({**sd, "embed_tokens.weight": d.embed_tokens.weight})
+        assert all(torch.equal(p, q) for p, q in zip(fresh.parameters(), d.parameters()))
+    # norms that differ would be two different drafters in the two engines: refused
+    bad = {**exported, "embed_tokens.weight": d.embed_tokens.weight,
+           "layers.1.hidden_norm.weight": b + 1}
+    with pytest.raises(ValueError, match="hidden_norm"):
+        Eagle3Drafter(SHAPE2).double().load_state_dict(bad)
+    # parameter-named dicts (ZeRO-3's gathered state) give the same engine names
+    raw = d.to_engine_names({n: p.detach() for n, p in d.named_parameters() if n != "embed_tokens.weight"})
+    assert raw.keys() == exported.keys() and all(torch.equal(raw[k], exported[k]) for k in raw)
+
+
 def test_hf_config_roundtrip():
     cfg = SHAPE.to_hf_config()
     assert DrafterShape.from_hf_config(cfg) == SHAPE
@@ -180,6 +236,9 @@ def test_hf_config_roundtrip():
     assert llama.head_dim == 16 and llama.rope_parameters["rope_theta"] == 1000.0
     back = DrafterShape.from_hf_config(llama.to_dict())
     assert back == SHAPE
+    cfg2 = SHAPE2.to_hf_config()
+    assert cfg2["num_hidden_layers"] == 2 and cfg["num_hidden_layers"] == 1
+    assert DrafterShape.from_hf_config(LlamaConfig(**cfg2).to_dict()) == SHAPE2
 
 
 def test_rejects_non_silu():
@@ -208,6 +267,9 @@ def test_drafter_shape_derives_from_the_target():
     assert drafter_shape(kimi, DrafterConfig(), 3, 32000).head_dim == 7168 // 64   # not MLA's 192
     with pytest.raises(ValueError):
         drafter_shape(kimi, DrafterConfig(hidden_size=4096), 3, 32000)
+    assert drafter_shape(_target(), DrafterConfig(num_layers=2), 3, 64).num_layers == 2
+    with pytest.raises(ValueError, match="num_layers"):
+        drafter_shape(_target(), DrafterConfig(num_layers=0), 3, 64)
 
 
 def test_target_embedding_is_copied_and_frozen():
@@ -275,3 +337,37 @@ def test_fc_norm_normalises_each_aux_state_on_its_own():
     want = torch.cat([sgl_rmsnorm(a, n.weight, s.rms_norm_eps)
                       for a, n in zip(aux.split(s.target_hidden_size, -1), d.fc_norm)], -1) @ d.fc.weight.T
     torch.testing.assert_close(d.project(aux), want, rtol=1e-12, atol=1e-12)
+
+
+def test_two_layer_export_loads_back_as_the_same_drafter(tmp_path):
+    """export_drafter -> config.json (num_hidden_layers 2) + both pre-norm names for layer 1 ->
+    load_hf_drafter: the same logits and next hidden, cached step by step."""
+    from eagle3.export import export_drafter, load_export
+    from eagle3.specdec import load_hf_drafter
+    d = make_drafter(seed=5, shape=SHAPE2)
+    with torch.no_grad():                                   # weights bf16 can hold: the export is exact
+        for p in d.parameters():
+            p.copy_(p.to(torch.bfloat16))
+    d2t = torch.arange(20)                                  # draft id i is target id 2i
+    t2d = torch.zeros(50, dtype=torch.bool)
+    t2d[d2t + torch.arange(20)] = True
+    # a checkpoint's state (one norm) turned into engine names as write_export does, on the meta device
+    with torch.device("meta"):
+        names = Eagle3Drafter(SHAPE2)
+    state = names.to_engine_names(d.state_dict())
+    out = export_drafter(tmp_path, state, SHAPE2, d2t, t2d, [1, 2, 3], ["LlamaForCausalLM"])
+    for engine in ("sglang", "vllm"):
+        tensors, cfg = load_export(out[engine])
+        assert cfg["num_hidden_layers"] == 2
+        assert set(tensors) == set(EXPORT_NAMES) | set(LAYER1_NAMES) | {"d2t", "t2d"}
+        assert torch.equal(tensors["layers.1.hidden_norm.weight"], tensors["layers.1.input_layernorm.weight"])
+    target = SimpleNamespace(get_input_embeddings=lambda: d.embed_tokens)
+    back = load_hf_drafter(out["vllm"], target, dtype=torch.float64).model
+    assert back.shape == SHAPE2
+    torch.manual_seed(6)
+    aux, ids = torch.randn(1, 6, 72, dtype=torch.float64), torch.randint(0, 50, (1, 6))
+    for a, b in zip(d(aux, ids), back(aux, ids)):
+        assert torch.equal(a, b)
+    # a shape that does not count the weights' layers is refused
+    with pytest.raises(ValueError, match="num_layers"):
+        export_drafter(tmp_path / "bad", d.exportable_state_dict(), SHAPE, d2t, t2d, [1, 2, 3], ["LlamaForCausalLM"])
