@@ -131,6 +131,27 @@ def expected_parameters(ours, s: DrafterShape):
         L + "hidden_norm.weight": [(ours["midlayer.hidden_norm.weight"], slice(None))],
         "model.norm.weight": [(ours["norm.weight"], slice(None))],
         "lm_head.weight": [(ours["lm_head.weight"], slice(0, s.draft_vocab_size))],
+        **{k: v for j in range(1, s.num_layers) for k, v in upper_layer_parameters(ours, s, j).items()},
+    }
+
+
+def upper_layer_parameters(ours, s: DrafterShape, j: int):
+    """expected_parameters of a layer j >= 1 (q/k/v over [H] inputs). SGLang pre-norms it with
+    hidden_norm and builds an input_layernorm it never reads: both must be our one pre-norm."""
+    q, kv, inter = s.num_attention_heads * s.head_dim, s.num_key_value_heads * s.head_dim, s.intermediate_size
+    L, o = f"model.layers.{j}.", f"layers.{j}."
+    assert torch.equal(ours[o + "hidden_norm.weight"], ours[o + "input_layernorm.weight"])
+    return {
+        L + "self_attn.qkv_proj.weight": [(ours[o + "self_attn.q_proj.weight"], slice(0, q)),
+                                          (ours[o + "self_attn.k_proj.weight"], slice(q, q + kv)),
+                                          (ours[o + "self_attn.v_proj.weight"], slice(q + kv, q + 2 * kv))],
+        L + "self_attn.o_proj.weight": [(ours[o + "self_attn.o_proj.weight"], slice(None))],
+        L + "mlp.gate_up_proj.weight": [(ours[o + "mlp.gate_proj.weight"], slice(0, inter)),
+                                        (ours[o + "mlp.up_proj.weight"], slice(inter, 2 * inter))],
+        L + "mlp.down_proj.weight": [(ours[o + "mlp.down_proj.weight"], slice(None))],
+        L + "input_layernorm.weight": [(ours[o + "input_layernorm.weight"], slice(None))],
+        L + "post_attention_layernorm.weight": [(ours[o + "post_attention_layernorm.weight"], slice(None))],
+        L + "hidden_norm.weight": [(ours[o + "hidden_norm.weight"], slice(None))],
     }
 
 
@@ -138,6 +159,7 @@ def expected_parameters(ours, s: DrafterShape):
     ("llama", [2, 4, 5], [1, 3, 4], {}),               # SGLang's Llama rule adds 1: written i-1
     ("deepseek_v3", [3, 31, 59], [3, 31, 59], {}),     # DeepSeek/Kimi rule: as given
     ("llama", [2, 4, 5], [1, 3, 4], {"fc_norm": True, "norm_output": True}),
+    ("llama", [2, 4, 5], [1, 3, 4], {"num_layers": 3}),
 ])
 def test_every_parameter_is_ours(sglang_world, tmp_path, target_arch, aux_layers, config_ids, norms):
     export_dir = export(tmp_path, aux_layers, target_arch, **norms)
@@ -194,20 +216,27 @@ def sglang_draft_step(model, ids, positions, hidden):
     return to_logits @ model.lm_head.weight[:SHAPE.draft_vocab_size].T, aux
 
 
-@pytest.mark.parametrize("norms", [{"fc_norm": True}, {"norm_output": True}, {"fc_norm": True, "norm_output": True}])
+@pytest.mark.parametrize("norms", [{"fc_norm": True}, {"norm_output": True}, {"fc_norm": True, "norm_output": True},
+                                   {"num_layers": 2}, {"num_layers": 2, "norm_output": True}])
 def test_sglang_computes_our_drafter_with_the_eagle31_norms(sglang_world, tmp_path, norms):
+    """Also with num_layers > 1: SGLang's layers j >= 1 read the residual stream through
+    hidden_norm, ours through input_layernorm; the export's one value under both names makes them
+    the same network."""
     import dataclasses
 
     export_dir = export(tmp_path, [2, 4, 5], "llama", **norms)
     tensors = load_file(str(export_dir / "model.safetensors"))
     shape = DrafterShape.from_hf_config(json.loads((export_dir / "config.json").read_text()))
     assert (shape.fc_norm, shape.norm_output) == (norms.get("fc_norm", False), norms.get("norm_output", False))
+    assert shape.num_layers == norms.get("num_layers", 1)
     model = load_into_sglang(export_dir)
+    assert len(model.model.layers) == shape.num_layers
     torch.manual_seed(1)
     embed = torch.randn(SHAPE.vocab_size, SHAPE.hidden_size)
-    layer = model.model.layers[0].self_attn
-    layer.attn = CausalAttention(SHAPE.num_attention_heads, SHAPE.num_key_value_heads, SHAPE.head_dim)
-    layer.rotary_emb.forward = layer.rotary_emb.forward_native      # its CPU path calls a kernel library
+    for layer in model.model.layers:
+        layer = layer.self_attn
+        layer.attn = CausalAttention(SHAPE.num_attention_heads, SHAPE.num_key_value_heads, SHAPE.head_dim)
+        layer.rotary_emb.forward = layer.rotary_emb.forward_native  # its CPU path calls a kernel library
     with torch.no_grad():
         model.model.embed_tokens.weight[:SHAPE.vocab_size] = embed
 
@@ -232,7 +261,7 @@ def test_sglang_computes_our_drafter_with_the_eagle31_norms(sglang_world, tmp_pa
         torch.testing.assert_close(our_hidden[0], hidden, **close)
         torch.testing.assert_close(d.logits(h_out, w)[0], logits2, **close)
         # the same weights without the flag: SGLang's numbers must tell them apart
-        for flag in norms:
+        for flag in set(norms) - {"num_layers"}:
             other = Eagle3Drafter(dataclasses.replace(shape, **{flag: False}))
             sd = d.state_dict()
             other.load_state_dict({k: v for k, v in sd.items() if not k.startswith("fc_norm.")}
