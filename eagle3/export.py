@@ -138,9 +138,17 @@ def check_layers(tensors: Dict[str, torch.Tensor], shape) -> None:
         raise ValueError(f"drafter weights hold layers {[0, *have]} but num_layers={shape.num_layers}: "
                          f"export the shape the drafter was built with")
     for j in have:
-        a, b = (tensors.get(f"layers.{j}.{n}.weight") for n in ("input_layernorm", "hidden_norm"))
-        if a is None or b is None or not torch.equal(a, b):
-            raise ValueError(f"layers.{j}: input_layernorm and hidden_norm must both be exported, equal")
+        missing = [n for n in _UPPER_LAYER if f"layers.{j}.{n}.weight" not in tensors]
+        if missing:
+            raise ValueError(f"layers.{j} lacks {missing}")
+        a, b = (tensors[f"layers.{j}.{n}.weight"] for n in ("input_layernorm", "hidden_norm"))
+        if not torch.equal(a, b):
+            raise ValueError(f"layers.{j}: input_layernorm and hidden_norm must be equal")
+
+
+_UPPER_LAYER = ("input_layernorm", "hidden_norm", "post_attention_layernorm", "self_attn.q_proj",
+                "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
+                "mlp.down_proj")
 
 
 def check_norm_weights(tensors: Dict[str, torch.Tensor], shape) -> None:

@@ -275,12 +275,13 @@ class Attention(nn.Module):
 
     def to_engine_names(self, sd: Dict[str, torch.Tensor], prefix: str = "") -> Dict[str, torch.Tensor]:
         """In place: prefix+qkv_embed / qkv_hidden -> prefix+q_proj.weight, k_proj.weight, v_proj.weight
-        [rows, 2H] (embedding half first); for first=False prefix+qkv -> the three [rows, H].
+        [rows, 2H] (embedding half first); for first=False prefix+qkv -> the three [rows, H], each
+        a tensor of its own (checkpoint writers keep one name per storage and drop the others).
         Keys already in engine names are left alone."""
         if not self.first:
             if prefix + "qkv" in sd:
                 for name, w in zip(_QKV, sd.pop(prefix + "qkv").split(self._split_rows())):
-                    sd[f"{prefix}{name}.weight"] = w
+                    sd[f"{prefix}{name}.weight"] = w.clone()
             return sd
         if prefix + "qkv_embed" not in sd:
             return sd

@@ -211,7 +211,9 @@ def test_two_layers_are_named_counted_and_loaded_as_the_engines_name_them():
     assert "layers.1.hidden_norm.weight" not in d.state_dict()
     assert set(d.state_dict()) == set(exported) - {"layers.1.hidden_norm.weight"} | {"embed_tokens.weight"}
     stored = d.layers["1"].self_attn.qkv
-    assert torch.equal(torch.cat([exported[f"layers.1.self_attn.{n}_proj.weight"] for n in "qkv"]), stored)
+    qkv = [exported[f"layers.1.self_attn.{n}_proj.weight"] for n in "qkv"]
+    assert torch.equal(torch.cat(qkv), stored)
+    assert len({t.untyped_storage().data_ptr() for t in [*qkv, stored]}) == 4   # safetensors keeps each
     assert SHAPE2.num_trainable() == sum(p.numel() for p in d.parameters() if p.requires_grad)
     assert SHAPE2.num_trainable() - SHAPE.num_trainable() == 128 * 32 + 32 * 64 + 3 * 32 * 48 + 2 * 32
     # the export's names load back (both norms) and so do the checkpoint's
@@ -368,6 +370,10 @@ def test_two_layer_export_loads_back_as_the_same_drafter(tmp_path):
     aux, ids = torch.randn(1, 6, 72, dtype=torch.float64), torch.randint(0, 50, (1, 6))
     for a, b in zip(d(aux, ids), back(aux, ids)):
         assert torch.equal(a, b)
-    # a shape that does not count the weights' layers is refused
+    # a shape that does not count the weights' layers, or a layer 1 short of a tensor, is refused
     with pytest.raises(ValueError, match="num_layers"):
         export_drafter(tmp_path / "bad", d.exportable_state_dict(), SHAPE, d2t, t2d, [1, 2, 3], ["LlamaForCausalLM"])
+    for name in ("hidden_norm", "self_attn.v_proj"):
+        short = {k: v for k, v in state.items() if k != f"layers.1.{name}.weight"}
+        with pytest.raises(ValueError, match=name):
+            export_drafter(tmp_path / "bad", short, SHAPE2, d2t, t2d, [1, 2, 3], ["LlamaForCausalLM"])

@@ -343,6 +343,33 @@ def test_export_entry_point_writes_what_training_exported(tiny_run, tmp_path):
     assert p.returncode != 0 and str(tmp_path / "empty" / "checkpoints") in p.stderr
 
 
+def test_a_two_layer_drafter_trains_and_exports_its_layers_for_both_engines(tiny_run, tmp_path):
+    """drafter.num_layers=2: config.json's num_hidden_layers is 2, layer 1 is exported as layers.1.*
+    with its pre-norm under both engines' names (one value), checkpoints keep the one norm, and
+    `python -m eagle3.export` writes what training exported."""
+    from eagle3.export import load_export
+    run = tmp_path / "run"
+    run_train("+experiment=tiny", f"run_dir={run}", f"data.features_dir={tiny_run}/features",
+              "drafter.num_layers=2", "train.steps=2", "train.save_every=2")
+    layer1 = {f"layers.1.{n}.weight" for n in (
+        "input_layernorm", "hidden_norm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
+        "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+    trained = {}
+    for engine in ("sglang", "vllm"):
+        trained[engine], cfg = load_export(run / "export" / engine)
+        t = trained[engine]
+        assert cfg["num_hidden_layers"] == 2
+        assert {k for k in t if k.startswith("layers.")} == layer1
+        assert torch.equal(t["layers.1.hidden_norm.weight"], t["layers.1.input_layernorm.weight"])
+    ck = load_file(str(run / "checkpoints" / "step_0000002" / "model.safetensors"))
+    assert "drafter.layers.1.input_layernorm.weight" in ck and "drafter.layers.1.hidden_norm.weight" not in ck
+    export_run(run)
+    for engine in ("sglang", "vllm"):
+        again, _ = load_export(run / "export" / engine)
+        assert again.keys() == trained[engine].keys()
+        assert all(torch.equal(again[k], trained[engine][k]) for k in again)
+
+
 def test_checkpoint_weights_are_read_from_deepspeed_layouts(tmp_path):
     """DeepSpeed writes its own files under <checkpoint>/pytorch_model/: the module states
     (mp_rank_00_model_states.pt, whole weights) under ZeRO-1/2, and per-rank partitions under ZeRO-3,
