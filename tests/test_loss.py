@@ -365,11 +365,17 @@ def test_bench_runs_full_steps_on_cpu(monkeypatch, capsys):
                                       "--heads", "4", "--kv-heads", "2", "--head-dim", "8",
                                       "--vocab", "300", "--draft-vocab", "64", "--seq", "32",
                                       "--ttt", "3", "--steps", "2", "--warmup", "1",
-                                      "--device", "cpu", "--dtype", "fp32"])
+                                      "--device", "cpu", "--dtype", "fp32", "--layers", "2"])
     bench.main()
     lines = capsys.readouterr().out.splitlines()
     for key in ("params", "ms/step", "tokens/s", "peak memory", "FLOPs/step", "MFU"):
         assert any(line.startswith(key) for line in lines), (key, lines)
+    # a second layer adds, per TTT step, its GEMMs (q/k/v over H inputs, o, the MLP) and its attention
+    B, T, S = 2, 9, 3
+    s2 = dataclasses.replace(SHAPE, num_layers=2)
+    gemms = 2 * B * T * (16 * (4 + 2 * 2) * 8 + 4 * 8 * 16 + 3 * 16 * 24)
+    attention = sum(4 * B * 4 * 8 * (T * (T + 1) / 2 + st * T) for st in range(S))
+    assert bench.train_flops(s2, B, T, S) - bench.train_flops(SHAPE, B, T, S) == 3 * (S * gemms + attention)
 
 
 def test_micro_batches_with_global_norm_add_up_to_the_whole_batch():
