@@ -20,8 +20,8 @@ its run directory WORK/runs/NAME:
                    first 4,096 conversations, two epochs of batch 16): the loss (lk, lk_alpha, tv,
                    jsd; kl has soft_ce's gradient), EAGLE-3.1's norms, TTT step weights (uniform,
                    0.6^s) and length, draft vocab 8,192, the head warm-started from the target's,
-                   four epochs, a 2x and a 4x wider MLP, a second decoder layer, only each
-                   conversation's first turn
+                   four epochs, a 2x and a 4x wider MLP, a second decoder layer (each also with
+                   the norms), only each conversation's first turn
     fmt_*          the ablation recipe trained offline from full and from compact features (capture.format);
                    the pair, from eval_ablations' output: python -m eagle3.judging
                    WORK/runs/eval_ablations/eval --reference fmt_full
@@ -132,6 +132,8 @@ ABLATE = {"abl_base": [],
           "abl_mlp2x": ["drafter.intermediate_size=3072"],      # the target's MLP width is 1,536
           "abl_mlp4x": ["drafter.intermediate_size=6144"],
           "abl_layers2": ["drafter.num_layers=2"],
+          "abl_norms_mlp4x": ["drafter.fc_norm=true", "drafter.norm_output=true", "drafter.intermediate_size=6144"],
+          "abl_norms_layers2": ["drafter.fc_norm=true", "drafter.norm_output=true", "drafter.num_layers=2"],
           "abl_turn1": ["data.turns=1"]}
 # the feature format: the ablation recipe trained offline from a full and from a compact feature
 # dataset of the same samples (same seed and steps)
