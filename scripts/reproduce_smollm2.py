@@ -3,6 +3,8 @@
     python scripts/reproduce_smollm2.py --work /data/repro                        # every visible GPU
     python scripts/reproduce_smollm2.py --work /data/repro --gpus 2 --only regen_all,long_b32_e10_g32
     python scripts/reproduce_smollm2.py --work /data/repro --answers answers.jsonl --only long_b32_e10_g32
+    python scripts/reproduce_smollm2.py --work /data/repro --regen-conversations 4096 --eval-backend replay \
+        --only regen_all,abl_base,abl_norms,abl_mlp4x,eval_ablations       # a few ablations, judged together
     python scripts/reproduce_smollm2.py --work /data/repro --list                 # the commands, nothing run
     python scripts/reproduce_smollm2.py --work /tmp/dry --dry-run                 # the same graph on CPU, tiny sizes
 
@@ -28,8 +30,9 @@ its run directory WORK/runs/NAME:
     eval_*         evaluate.py per group (--eval-backend, default vllm; the docs' tau are vLLM's);
                    eval_abl_* judge one ablation each on all 80 MT-Bench first turns at chains 3
                    and 7 without a baseline decode (tau only), so they run side by side;
-                   eval_ablations judges them all in one run, each paired against abl_base (with
-                   --eval-backend replay, one greedy decode per prompt serves every drafter)
+                   eval_ablations judges every ablation trained so far in one run, each paired
+                   against abl_base (with --eval-backend replay, one greedy decode per prompt
+                   serves every drafter)
     zero3_*        (2+ GPUs) ZeRO-3 on 2 GPUs against 1, same global batch, tiny target
     kimi_zero3_*   (2+ GPUs) the Kimi-size drafter (conf/experiment/kimi_dims.yaml) under ZeRO-3,
                    1 GPU against 2: losses, tokens/s and memory per GPU
@@ -141,7 +144,8 @@ FORMATS = {"fmt_full": "full", "fmt_compact": "compact"}
 
 
 def build_jobs(work: Path, dry: bool, gpus: int, regen_minutes: float = 0.0, regen_chunk: int = 4096,
-               answers: Optional[Path] = None, eval_backend: str = "vllm") -> List[Job]:
+               answers: Optional[Path] = None, eval_backend: str = "vllm", regen_conversations: int = 0,
+               regen_continuous: bool = False) -> List[Job]:
     tiny = (["target=tiny_llama", "aux_layers=[2,3,4]", "data.num_samples=24", "train.steps=4",
              "train.batch_size=4", "drafter.draft_vocab_size=512", "capture.regen_max_new_tokens=8",
              "capture.regen_batch_size=8", "data.max_length=256"] if dry else [])
@@ -169,10 +173,16 @@ def build_jobs(work: Path, dry: bool, gpus: int, regen_minutes: float = 0.0, reg
     def scale_train(name, n_prompts, *over):
         return lambda: train("smollm2_scale", name, *on_answers(n_prompts // 1000 if dry else n_prompts), *over)
 
-    def evaluate(exp, group, names, prompts, data=lambda: [], *over):
-        return lambda: [PY, "evaluate.py", f"+experiment={exp}", f"eval.backend={eval_backend}",
-                        f"run_dir={runs / group}", "eval.drafters=[" + ",".join(str(runs / n) for n in names) + "]",
-                        f"eval.prompts=[{prompts}]", *data(), *over, *tiny, *ev_tiny]
+    def evaluate(exp, group, names, prompts, data=lambda: [], *over, trained_only=False):
+        """trained_only: judge those of `names` whose run has an export (a subset run with --only)."""
+        def cmd():
+            judged = [n for n in names if not trained_only or (runs / n / "export" / "vllm").is_dir()]
+            if not judged:
+                raise RuntimeError(f"none of {', '.join(names)} has an export under {runs}")
+            return [PY, "evaluate.py", f"+experiment={exp}", f"eval.backend={eval_backend}", f"run_dir={runs / group}",
+                    "eval.drafters=[" + ",".join(str(runs / n) for n in judged) + "]", f"eval.prompts=[{prompts}]",
+                    *data(), *over, *tiny, *ev_tiny]
+        return cmd
 
     def ablation(name, *over):
         n = ABL_CONVERSATIONS // 100 if dry else ABL_CONVERSATIONS
@@ -182,7 +192,10 @@ def build_jobs(work: Path, dry: bool, gpus: int, regen_minutes: float = 0.0, reg
     # regen_all shares its GPUs with trainings; the 2-GPU checks go first (they are short)
     jobs = [Job("regen_peer", regen("smollm2_peer"), gpus=0, exclusive=True),
             Job("regen_all", regen("smollm2_scale", f"capture.regen_minutes={regen_minutes}",
-                                   f"capture.regen_chunk={regen_chunk}"), deps=["regen_peer"], gpus=0,
+                                   f"capture.regen_chunk={regen_chunk}",
+                                   *([f"data.num_samples={regen_conversations}"] if regen_conversations else []),
+                                   *(["capture.regen_continuous=true"] if regen_continuous else [])),
+                deps=["regen_peer"], gpus=0,
                 after=["zero3_2gpu", "kimi_zero3_2gpu"] if gpus >= 2 else [])]
     jobs += [Job(n, train("smollm2_peer", n, *o), deps=["regen_peer"]) for n, o in PEER.items()]
     jobs += [Job(n, scale_train(n, k, *o), deps=["regen_all"]) for n, (k, o) in SCALE.items()]
@@ -196,7 +209,7 @@ def build_jobs(work: Path, dry: bool, gpus: int, regen_minutes: float = 0.0, reg
                  deps=[n]) for n in [*ABLATE, *FORMATS]]
     jobs += [Job("eval_ablations", evaluate("smollm2_scale", "eval_ablations", [*ABLATE, *FORMATS], "mt_bench",
                                             lambda: [], "eval.num_prompts=0", "eval.chains=[3,7]",
-                                            "eval.baseline=false", "eval.reference=abl_base"),
+                                            "eval.baseline=false", "eval.reference=abl_base", trained_only=True),
                  deps=[*ABLATE, *FORMATS])]
     jobs += [Job("eval_peer", evaluate("smollm2_peer", "eval_peer", list(PEER), "mt_bench"), deps=list(PEER)),
              Job("eval_scale", evaluate("smollm2_scale", "eval_scale", list(SCALE), "mt_bench"), deps=list(SCALE)),
@@ -347,6 +360,10 @@ def main() -> None:
     ap.add_argument("--answers", type=Path, help="scale_* and long_* train on this answer file instead of regen_all's")
     ap.add_argument("--regen-minutes", type=float, default=0.0, help="regen_all: time limit (0 = none)")
     ap.add_argument("--regen-chunk", type=int, default=4096, help="regen_all: conversations answered together")
+    ap.add_argument("--regen-conversations", type=int, default=0,
+                    help="regen_all: only the first N conversations (the ablations need the first 4,096; 0 = all)")
+    ap.add_argument("--regen-continuous", action="store_true",
+                    help="regen_all: capture.regen_continuous (rows refilled as answers end, no rounds)")
     ap.add_argument("--eval-backend", default="vllm", choices=["vllm", "hf", "sglang", "replay"],
                     help="replay: the hf backend's counts from one greedy decode per prompt and one forward per "
                          "drafter (no timings)")
@@ -359,7 +376,7 @@ def main() -> None:
     work = args.work.resolve()
     (work / "logs").mkdir(parents=True, exist_ok=True)
     jobs = build_jobs(work, args.dry_run, args.gpus, args.regen_minutes, args.regen_chunk, args.answers,
-                      args.eval_backend)
+                      args.eval_backend, args.regen_conversations, args.regen_continuous)
     if args.only:
         keep = set(args.only.split(","))
         unknown = keep - {j.name for j in jobs}
@@ -371,7 +388,7 @@ def main() -> None:
             try:
                 cmd = shlex.join(j.cmd() if callable(j.cmd) else j.cmd)
             except (RuntimeError, OSError) as e:
-                cmd = f"(needs the answer file: --answers, or regen_all first; {e})"
+                cmd = f"(not yet: {e})"
             print(f"{j.name}: {cmd}")
         return
     status_path = work / "status.json"

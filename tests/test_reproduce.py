@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 from reproduce_smollm2 import build_jobs  # noqa: E402
@@ -50,6 +52,22 @@ def test_every_dependency_is_a_job_and_the_committed_recipe_is_the_documented_on
         assert [a for a in cmd if not a.startswith("run_dir=")] == [a for a in base if not a.startswith("run_dir=")] + over
         ev = jobs[f"eval_{name}"].cmd()
         assert jobs[f"eval_{name}"].deps == [name] and "eval.chains=[3,7]" in ev and "eval.baseline=false" in ev
+
+
+def test_a_subset_of_ablations_regenerates_only_their_conversations_and_is_judged_alone(tmp_path):
+    answers = answers_file(tmp_path / "answers.jsonl")
+    jobs = {j.name: j for j in build_jobs(tmp_path, False, 1, answers=answers, regen_conversations=4096,
+                                          regen_continuous=True)}
+    regen = jobs["regen_all"].cmd
+    assert "data.num_samples=4096" in regen and "capture.regen_continuous=true" in regen
+    plain = {j.name: j for j in build_jobs(tmp_path, False, 1, answers=answers)}["regen_all"].cmd
+    assert not any(a.startswith(("data.num_samples", "capture.regen_continuous")) for a in plain)
+    with pytest.raises(RuntimeError, match="has an export"):
+        jobs["eval_ablations"].cmd()
+    for name in ("abl_base", "abl_mlp4x"):
+        (tmp_path / "runs" / name / "export" / "vllm").mkdir(parents=True)
+    drafters = [a for a in jobs["eval_ablations"].cmd() if a.startswith("eval.drafters=")]
+    assert drafters == [f"eval.drafters=[{tmp_path / 'runs' / 'abl_base'},{tmp_path / 'runs' / 'abl_mlp4x'}]"]
 
 
 def test_dry_run_trains_and_exports_a_job(tmp_path):
