@@ -223,6 +223,43 @@ def test_vllm_applies_the_eagle31_norms(norms_drafter_dir, tmp_path):
     assert vl["tau"] - hf_no_output["tau"] > 2 * TAU_TOL
 
 
+@pytest.fixture(scope="module")
+def two_layer_drafter_dir(tmp_path_factory):
+    return fit_memorizing_drafter(tmp_path_factory.mktemp("memorizer_layers2"), num_layers=2, fc_norm=True,
+                                  norm_output=True)
+
+
+def first_layer_only(export_dir: Path, out: Path) -> Path:
+    """The same weights as an engine that built one decoder layer would run them: layer 1's tensors
+    dropped and num_hidden_layers 1 (written by hand: export_drafter writes what the drafter holds)."""
+    from safetensors.torch import save_file
+    from eagle3.export import load_export
+
+    tensors, cfg = load_export(export_dir)
+    out.mkdir(parents=True)
+    save_file({k: v for k, v in tensors.items() if not k.startswith("layers.")}, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 1}, indent=2))
+    return out
+
+
+def test_vllm_runs_every_layer_of_a_two_layer_drafter(two_layer_drafter_dir, tmp_path):
+    """A drafter of two decoder layers with EAGLE-3.1's norms, fitted like the fixtures above: vLLM
+    must accept its drafts as the hf reference does, and clearly more often than the hf reference
+    accepts its first layer alone (what an engine that dropped the second would run)."""
+    cfg = json.loads((two_layer_drafter_dir / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 2
+    one = first_layer_only(two_layer_drafter_dir, tmp_path / "one_layer" / "vllm")
+    hf, hf_one = _evaluate("hf", [two_layer_drafter_dir, one], tmp_path / "hf", ["target.dtype=bfloat16"])["results"]
+    vl = _evaluate("vllm", [two_layer_drafter_dir], tmp_path / "vllm", ["eval.baseline=false"])["results"][0]
+    for name, r in (("hf", hf), ("vllm", vl), ("hf, first layer only", hf_one)):
+        print(f"\n{name}: tau {r['tau']:.3f} acc {r['accept_per_position']}", end="")
+    assert hf["tau"] > 1.3
+    assert abs(hf["tau"] - vl["tau"]) <= TAU_TOL
+    for a, b in zip(hf["accept_per_position"], vl["accept_per_position"]):
+        assert abs(a - b) <= 0.15
+    assert vl["tau"] - hf_one["tau"] > 2 * TAU_TOL
+
+
 def test_the_committed_drafter_shows_the_layer_id_convention(tmp_path):
     """The committed GPU-trained drafter (results/smollm2-drafter) against the same weights with
     vLLM's aux ids shifted by one. vLLM reads both as written; the correct wiring must be accepted
