@@ -19,7 +19,6 @@ from __future__ import annotations
 from typing import Any, List, Sequence, Tuple
 
 import torch
-import torch.nn.functional as F
 
 
 def supports(model) -> bool:
@@ -27,11 +26,6 @@ def supports(model) -> bool:
     return (c.model_type == "llama" and not getattr(c, "attention_bias", False)
             and not getattr(c, "mlp_bias", False) and getattr(c, "hidden_act", "silu") == "silu"
             and hasattr(model, "model") and hasattr(model.model, "rotary_emb"))
-
-
-def _aligned(slots: int) -> int:
-    """A cache length rounded up to a multiple of 16, the mask alignment fused attention kernels want."""
-    return -(-slots // 16) * 16
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -57,23 +51,20 @@ class StaticGreedy:
 
     # ---- one decode step: token ids [B] at positions [B], written to cache slot `slot` [1] ----
     def _step(self, ids, pos, slot, keys, values, valid, arange):
-        return self._decode(ids, pos, valid & (arange <= slot), keys, values,
-                            lambda K, k: K.index_copy_(2, slot, k))
+        bias = torch.zeros(valid.shape, dtype=torch.float32, device=ids.device)
+        bias = bias.masked_fill(~(valid & (arange <= slot)), float("-inf"))             # [B, T]
+        return self._decode(ids, pos, bias, keys, values, lambda K, k: K.index_copy_(2, slot, k))
 
-    def _decode(self, ids, pos, keep, keys, values, write):
+    def _decode(self, ids, pos, bias, keys, values, write):
         """Next token [B] after ids [B] at positions pos [B]. write(K, k) stores a layer's new
-        key/value k [B, nkv, 1, hd] in its cache [B, nkv, T, hd]; keep [B, T] (bool) is the slots a
-        row reads.
-
-        Attention is one fused kernel (scaled_dot_product_attention with the boolean mask): a
-        decode step reads every row's whole cache, and at large batch that read is the step's cost;
-        the kernel reads each key/value once instead of going through a score tensor in memory."""
+        key/value k [B, nkv, 1, hd] in its cache [B, nkv, T, hd]; bias [B, T] is -inf at the slots a
+        row must not read."""
         m = self.model.model
         B, g = ids.shape[0], self.nh // self.nkv
         h = m.embed_tokens(ids)[:, None]                                   # [B, 1, H]
         cos, sin = m.rotary_emb(h, pos[:, None])                           # [B, 1, hd]
         cos, sin = cos[:, None], sin[:, None]                              # [B, 1, 1, hd]
-        keep = keep[:, None, None]                                         # [B, 1, 1, T]
+        bias = bias[:, None, None]                                         # [B, 1, 1, T]
         for layer, K, V in zip(m.layers, keys, values):
             a = layer.self_attn
             x = layer.input_layernorm(h)
@@ -84,10 +75,10 @@ class StaticGreedy:
             k = k * cos + _rotate_half(k) * sin
             write(K, k)
             write(V, v)
-            # query head j*g..j*g+g-1 reads kv head j (transformers' repeat_kv order): the g query
-            # heads of a kv head are the query rows of one attention over that head's cache
-            o = F.scaled_dot_product_attention(q.view(B, self.nkv, g, self.hd), K, V, attn_mask=keep,
-                                               scale=a.scaling).reshape(B, 1, self.nh * self.hd)
+            # query head j*g..j*g+g-1 reads kv head j (transformers' repeat_kv order)
+            s = torch.matmul(q.view(B, self.nkv, g, self.hd), K.transpose(-1, -2)).float() * a.scaling
+            p = torch.softmax(s + bias, dim=-1).to(V.dtype)
+            o = torch.matmul(p, V).reshape(B, 1, self.nh * self.hd)
             h = h + a.o_proj(o)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.model.lm_head(m.norm(h))[:, 0].argmax(-1)
@@ -100,7 +91,7 @@ class StaticGreedy:
         dev, B = self.device, len(prompts)
         ids, att = (t.to(dev) for t in left_pad(prompts, self.pad_id))
         T = ids.shape[1]
-        S = _aligned(T + self.max_new)                 # slots past T + max_new are never read
+        S = T + self.max_new
         pos = (att.cumsum(-1) - 1).clamp(min=0)
         layers = self.model.model.layers
         keys = [torch.zeros(B, self.nkv, S, self.hd, dtype=self.dtype, device=dev) for _ in layers]
@@ -116,7 +107,7 @@ class StaticGreedy:
                 values[i][sl, :, :T] = layer_cache.values
             out[sl, 0] = res.logits[:, -1].argmax(-1)
             del res
-        valid = torch.cat([att.bool(), torch.ones(B, S - T, dtype=torch.bool, device=dev)], 1)
+        valid = torch.cat([att.bool(), torch.ones(B, self.max_new, dtype=torch.bool, device=dev)], 1)
         arange = torch.arange(S, device=dev)
         cur = out[:, 0].clone()
         cur_pos = pos[:, -1] + 1
@@ -169,7 +160,7 @@ class ContinuousGreedy(StaticGreedy):
     runs check_every steps and returns the rows that are done. Each check reads the rows' state back to
     the host (a sync, then the refill's prefill while the graph waits); between checks a row that has
     stopped runs on for up to check_every - 1 steps whose tokens are dropped. The cache holds
-    rows x (max_prompt + max_new_tokens, rounded up to 16) tokens, allocated once.
+    rows x (max_prompt + max_new_tokens) tokens, allocated once.
 
         dec = ContinuousGreedy(model, 256, max_prompt=2047, rows=1024, pad_id=pad, stop_ids=stop)
         dec.add([(key, prompt), ...]); finished = dec.advance()     # [(key, ids up to the stop id)]
@@ -178,7 +169,7 @@ class ContinuousGreedy(StaticGreedy):
     def __init__(self, model, max_new_tokens: int, max_prompt: int, rows: int, pad_id: int,
                  stop_ids: Sequence[int] = (), check_every: int = 16, prefill_tokens: int = 1 << 18):
         super().__init__(model, max_new_tokens, pad_id)
-        dev, B, S = self.device, rows, _aligned(max_prompt + max_new_tokens)
+        dev, B, S = self.device, rows, max_prompt + max_new_tokens
         self.rows, self.max_prompt = rows, max_prompt
         self.check_every, self.prefill_tokens = check_every, prefill_tokens
         self.stop_ids = [int(t) for t in stop_ids]
@@ -201,9 +192,10 @@ class ContinuousGreedy(StaticGreedy):
         """One step of every row on the static buffers; a finished or free row computes on, its
         position held at the last slot and its count at max_new_tokens (their tokens are dropped)."""
         B, S = self.cur.shape[0], self.arange.shape[0]
+        bias = torch.zeros(B, S, dtype=torch.float32, device=self.cur.device)
+        bias = bias.masked_fill(self.arange > self.pos[:, None], float("-inf"))
         at = self.pos.view(B, 1, 1, 1).expand(B, self.nkv, 1, self.hd)   # row b writes slot pos[b]
-        tok = self._decode(self.cur, self.pos, self.arange <= self.pos[:, None], self.keys, self.values,
-                           lambda K, k: K.scatter_(2, at, k))
+        tok = self._decode(self.cur, self.pos, bias, self.keys, self.values, lambda K, k: K.scatter_(2, at, k))
         self.out.scatter_(1, self.n[:, None], tok[:, None])
         self.hit |= (tok[:, None] == self.stops).any(-1)
         self.n.add_(1).clamp_(max=self.max_new)
