@@ -160,7 +160,8 @@ class ContinuousGreedy(StaticGreedy):
     runs check_every steps and returns the rows that are done. Each check reads the rows' state back to
     the host (a sync, then the refill's prefill while the graph waits); between checks a row that has
     stopped runs on for up to check_every - 1 steps whose tokens are dropped. The cache holds
-    rows x (max_prompt + max_new_tokens) tokens, allocated once.
+    rows x (max_prompt + max_new_tokens) tokens, allocated once; compact() drops the free rows when
+    no more prompts are coming, since a step costs every row's whole cache, busy or not.
 
         dec = ContinuousGreedy(model, 256, max_prompt=2047, rows=1024, pad_id=pad, stop_ids=stop)
         dec.add([(key, prompt), ...]); finished = dec.advance()     # [(key, ids up to the stop id)]
@@ -184,9 +185,35 @@ class ContinuousGreedy(StaticGreedy):
         self.out = torch.zeros(B, max_new_tokens + 1, dtype=torch.long, device=dev)   # last column: overrun
         self.stops = torch.tensor(self.stop_ids or [-1], device=dev)
         self.arange = torch.arange(S, device=dev)
-        self._replay = self._replayable(step=self._step_rows)   # captured while every row is free: the
-        for t in (self.cur, self.pos, self.n, self.hit):          # warm-up step wrote to no row in use
+        self._capture()                              # while every row is free: the warm-up step
+        for t in (self.cur, self.pos, self.n, self.hit):     # wrote to no row in use
             t.zero_()
+
+    def _capture(self) -> None:
+        """The step on the current buffers, as a graph on CUDA. Capturing runs the step once for real
+        (its warm-up): every busy row decodes one token, exactly as a replay would."""
+        self._replay = None                          # the old graph's memory goes before the new one's
+        self._replay = self._replayable(step=self._step_rows)
+
+    def compact(self, multiple: int = 8) -> bool:
+        """Fewer rows: the busy ones (with free ones up to a multiple of `multiple`), their caches and
+        state moved over, the step captured again. A step costs every row's whole cache whether the
+        row is busy or not, so once no more prompts can come (the last conversations' turns) the
+        batch shrinks with them. True if it shrank."""
+        busy = [r for r, o in enumerate(self.owner) if o is not None]
+        rows = max(multiple, -(-len(busy) // multiple) * multiple)
+        if rows >= self.rows:
+            return False
+        keep = busy + [r for r, o in enumerate(self.owner) if o is None][:rows - len(busy)]
+        idx = torch.tensor(keep, device=self.device)
+        self.cur, self.pos, self.n, self.hit, self.out = (t[idx] for t in (self.cur, self.pos, self.n, self.hit,
+                                                                          self.out))
+        self.keys = [k[idx] for k in self.keys]
+        self.values = [v[idx] for v in self.values]
+        self.owner = [self.owner[r] for r in keep]
+        self.rows = rows
+        self._capture()
+        return True
 
     def _step_rows(self):
         """One step of every row on the static buffers; a finished or free row computes on, its

@@ -288,9 +288,12 @@ def _answer_continuously(todo, tok, dec: ContinuousGreedy, out_path: Path, max_p
     """No rounds: dec's rows take waiting prompts as they free up; a conversation's next prompt waits
     as soon as its answer is done, a new conversation starts as soon as fewer than `chunk` are
     unfinished (or fewer than dec has rows: a conversation has one prompt in flight at a time, so
-    fewer would leave rows idle). Records are appended in conversation order (a finished conversation
-    waits for the ones before it), at most every FLUSH_S seconds: an fsync per conversation would
-    cost more than its decode. Returns the conversations started (and answered)."""
+    fewer would leave rows idle). Once no conversation is left to start and three quarters of the
+    rows are free, the decoder drops its free rows (ContinuousGreedy.compact): the rows left are
+    enough, since each unfinished conversation has one prompt at a time. Records are appended in
+    conversation order (a finished conversation waits for the ones before it), at most every FLUSH_S
+    seconds: an fsync per conversation would cost more than its decode. Returns the conversations
+    started (and answered)."""
     from collections import deque
 
     started: Dict[int, float] = {}                # id(conversation) -> start time, while unfinished
@@ -312,6 +315,8 @@ def _answer_continuously(todo, tok, dec: ContinuousGreedy, out_path: Path, max_p
         dec.add([waiting.popleft() for _ in range(min(dec.free(), len(waiting)))])
         if not dec.busy():                        # nothing waits and nothing more may start
             break
+        if not waiting and (stop or n == len(todo)) and 4 * dec.busy() <= dec.rows:
+            dec.compact()                         # the last conversations: the batch shrinks with them
         for v, ids in dec.advance():
             v.answered(tok, *cut_at_stop(ids, dec.stop_ids))
             p = v.prompt(tok, max_prompt_tokens)

@@ -5,7 +5,8 @@
 Independent truth: transformers' greedy `generate` on each prompt alone (no batching, no padding).
 Fewer rows than prompts, so every row is refilled several times at positions its earlier occupant
 had written past; a row that wrote its key/value anywhere but its own position would read the
-wrong keys and part from generate within a few tokens.
+wrong keys and part from generate within a few tokens. Compaction moves busy rows to new places
+mid-answer; a row whose cache or state did not move with it would part from generate the same way.
 """
 from __future__ import annotations
 
@@ -67,6 +68,33 @@ def test_answers_stop_at_their_own_stop_id_or_the_budget(model, prompts):
         assert R.cut_at_stop(generate_alone(model, p, new, stops), stops) == (answer, finished)
 
 
+def test_compacted_rows_go_on_as_generate(model, prompts, monkeypatch):
+    """12 prompts in 12 rows, stop ids from the answers so rows end at different times; after every
+    check the decoder drops its free rows (down to a multiple of 2) and goes on with the busy ones
+    in their new places. Capturing the step on CUDA runs one step for real; here it does too, so
+    that step must count as one of the answers' own. Every answer still equals generate's."""
+    new = 24
+    full = fastgen.StaticGreedy(model, new, pad_id=0).generate(prompts)
+    stops = sorted({full[0][0], full[3][1], full[5][12]})
+    replayable = fastgen.StaticGreedy._replayable
+
+    def warm(self, *args, step=None):
+        (step or self._step)(*args)                       # the capture's warm-up step
+        return replayable(self, *args, step=step)
+    monkeypatch.setattr(fastgen.StaticGreedy, "_replayable", warm)
+    dec = fastgen.ContinuousGreedy(model, new, max_prompt=max(LENGTHS), rows=len(prompts), pad_id=0,
+                                   stop_ids=stops, check_every=3)
+    dec.add(list(enumerate(prompts)))
+    got, sizes = {}, []
+    while dec.busy():
+        got.update(dec.advance())
+        if dec.compact(multiple=2):
+            sizes.append(dec.rows)
+    assert sizes and sizes[-1] < len(prompts) and sizes == sorted(sizes, reverse=True)
+    for i, p in enumerate(prompts):
+        assert R.cut_at_stop(got[i], stops) == R.cut_at_stop(generate_alone(model, p, new, stops), stops)
+
+
 def test_a_prompt_longer_than_the_cache_allows_is_refused(model):
     dec = fastgen.ContinuousGreedy(model, 4, max_prompt=8, rows=2, pad_id=0)
     with pytest.raises(ValueError):
@@ -109,7 +137,7 @@ def rounds_and_continuous(tok, model, tmp_path, max_prompt_tokens, chunk, rows, 
     return read(rounds), read(cont), dec
 
 
-@pytest.mark.parametrize("chunk,rows", [(2, 2), (256, 3)])
+@pytest.mark.parametrize("chunk,rows", [(2, 2), (256, 3), (256, 32)])
 def test_continuous_regeneration_writes_the_rounds_records(tok, model, tmp_path, monkeypatch, chunk, rows):
     """Every user turn of 5 conversations (1 to 4 answers each; "d" ends at a prompt past the length
     limit, after its first answer), rounds against continuous: the same file, record for record, in
@@ -128,6 +156,8 @@ def test_continuous_regeneration_writes_the_rounds_records(tok, model, tmp_path,
     assert [len(r["regen"]["new_tokens"]) for r in cont] == [3, 1, 2, 1, 4]
     assert {f for r in cont for f in r["regen"]["finished"]} == {True, False}
     assert dec.busy() == 0
+    # 32 rows for 5 conversations: once all have started the free rows go (down to a multiple of 8)
+    assert dec.rows == (8 if rows == 32 else rows)
 
 
 def test_continuous_regeneration_resumes_and_stops_at_the_time_limit(tok, model, tmp_path):
