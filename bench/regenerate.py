@@ -4,12 +4,16 @@
     python bench/regenerate.py --target smollm2 --prompts 4096 --batch 4096 --new 256 --stop
     python bench/regenerate.py --target smollm2 --conversations 4096 --batch 4096 --new 256 --max-length 2048
     python bench/regenerate.py --target tiny_llama --prompts 16 --batch 16 --new 32     # CPU smoke run
+    python bench/regenerate.py --target smollm2 --step-rows 1024,256 --step-prompt 2047,512
 
 Prompts are ShareGPT first turns (SmolLM2's chat template). Prints generated tokens per second for
 generate, StaticGreedy (length-sorted batches) and ContinuousGreedy (--batch rows, refilled), and
 how many answers agree token for token (bf16 on GPU: a near-tie can flip either way). Without --stop
 every answer runs to --new tokens (nothing for refills to gain); with it answers end at the end of
 turn, as regeneration's do, and the rate counts the tokens up to there.
+--step-rows R,... --step-prompt P,...: the time of one ContinuousGreedy decode step (graph replays)
+at R rows and a cache of P + --new slots, every row busy with a random prompt: what a step costs at
+each batch and context length (a step reads every row's whole cache, busy or not).
 --conversations N: every user turn of N ShareGPT conversations through regenerate_conversations,
 round by round (StaticGreedy, chunk = --batch) against continuous (--batch rows at most, as many as
 fit half the free memory, and at most --batch conversations in flight).
@@ -40,6 +44,8 @@ def main() -> None:
     ap.add_argument("--stop", action="store_true", help="answers end at the end-of-turn token")
     ap.add_argument("--conversations", type=int, default=0, help="multi-turn: rounds against continuous")
     ap.add_argument("--max-length", type=int, default=2048, help="multi-turn: data.max_length")
+    ap.add_argument("--step-rows", default="", help="decode-step timing: comma-separated row counts")
+    ap.add_argument("--step-prompt", default="2047", help="decode-step timing: comma-separated prompt lengths")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -50,6 +56,8 @@ def main() -> None:
     model = load_target_model(tdir, dtype, device)
     stop = stop_ids(tok)
     print(f"{args.target} on {device} ({dtype})")
+    if args.step_rows:
+        return decode_steps(args, model, stop, device)
     if args.conversations:
         return multi_turn(args, tok, model, stop)
     prompts = []
@@ -107,6 +115,31 @@ def main() -> None:
         print(f"  {name} answers identical to generate's: {same}/{len(prompts)}")
     same = sum(a == b for a, b in zip(answers["StaticGreedy"], answers["continuous"]))
     print(f"  continuous answers identical to StaticGreedy's: {same}/{len(prompts)}")
+
+
+def decode_steps(args, model, stop, device, repeats: int = 40) -> None:
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    print(f"{'rows':>6s} {'slots':>6s} {'ms/step':>8s} {'tok/s':>9s}")
+    for rows in map(int, args.step_rows.split(",")):
+        for max_prompt in map(int, args.step_prompt.split(",")):
+            dec = fastgen.ContinuousGreedy(model, args.new, max_prompt, rows, stop[0])
+            lengths = torch.randint(1, max_prompt + 1, (rows,), generator=g).tolist()
+            dec.add([(r, torch.randint(0, vocab, (n,), generator=g).tolist()) for r, n in enumerate(lengths)])
+            for _ in range(3):
+                dec._replay()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(repeats):
+                dec._replay()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            ms = (time.perf_counter() - t) / repeats * 1e3
+            print(f"{rows:6d} {dec.arange.shape[0]:6d} {ms:8.2f} {rows / ms * 1e3:9.0f}", flush=True)
+            del dec
+            if device == "cuda":
+                torch.cuda.empty_cache()
 
 
 def multi_turn(args, tok, model, stop) -> None:
