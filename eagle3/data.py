@@ -409,20 +409,26 @@ def write_jsonl(path: str | Path, conversations: Iterable[dict]) -> None:
             f.write(json.dumps(c, ensure_ascii=False) + "\n")
 
 
+def regeneration_key(target_fingerprint: str, tokenizer, src: Source, data: DataConfig,
+                     max_new_tokens: int) -> dict:
+    """What a source's regenerated answers depend on: the target, its chat template and the
+    template's variables, the source, the data settings and the answer length. A weight is not
+    part of it: it changes how often an answer is used, not the answer."""
+    kwargs = chat.template_kwargs(tokenizer)
+    return {"target": target_fingerprint, "template": template_sha256(tokenizer.chat_template),
+            "source": src.source, "path": src.path, "num_samples": data.num_samples,
+            "max_length": data.max_length, "max_new_tokens": max_new_tokens,
+            **({"turns": data.turns, "max_prompt_chars": data.max_prompt_chars}
+               if data.turns or data.max_prompt_chars else {}),
+            **({"template_kwargs": kwargs} if kwargs else {})}
+
+
 def regenerated_path(target_fingerprint: str, tokenizer, src: Source, data: DataConfig,
                      max_new_tokens: int) -> Path:
     """Where the target's own answers to one source's conversations live (capture/regenerate.py
-    writes them, one file per source of the mix), keyed by the target, its chat template and the
-    template's variables, the source, the data settings and the answer length. A weight is not
-    part of the key: it changes how often an answer is used, not the answer."""
-    kwargs = chat.template_kwargs(tokenizer)
-    key = json.dumps({"target": target_fingerprint,
-                      "template": template_sha256(tokenizer.chat_template),
-                      "source": src.source, "path": src.path, "num_samples": data.num_samples,
-                      "max_length": data.max_length, "max_new_tokens": max_new_tokens,
-                      **({"turns": data.turns, "max_prompt_chars": data.max_prompt_chars}
-                         if data.turns or data.max_prompt_chars else {}),
-                      **({"template_kwargs": kwargs} if kwargs else {})}, sort_keys=True)
+    writes them, one file per source of the mix): under ~/.cache/eagle3/regen/, named by a hash of
+    regeneration_key. Beside it, `<hash>.key.json` holds the key itself."""
+    key = json.dumps(regeneration_key(target_fingerprint, tokenizer, src, data, max_new_tokens), sort_keys=True)
     return cache_root() / "regen" / f"{hashlib.blake2b(key.encode(), digest_size=8).hexdigest()}.jsonl"
 
 

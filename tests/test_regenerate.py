@@ -198,7 +198,57 @@ def test_two_workers_write_the_same_cache_as_one(tok, tmp_path, monkeypatch):
         caches += R.regenerate(target_dir, target, data, cap, tok, target_info(target_dir))
     assert caches[0].read_text() == caches[1].read_text()
     assert [r["id"] for r in read(caches[1])] == ["a", "b", "c"]
-    assert sorted(p.name for p in caches[1].parent.iterdir()) == [caches[1].name]
+    assert sorted(p.name for p in caches[1].parent.iterdir()) == sorted([caches[1].name, f"{caches[1].stem}.key.json"])
+
+
+def test_a_run_of_another_size_reuses_the_answers_it_shares(tok, tmp_path, monkeypatch):
+    """data.num_samples=2, then all: only the third conversation is answered, and the file equals
+    the one a fresh run of all writes. All, then 2: nothing is answered. A run that differs in
+    anything else (the answer length here) reuses nothing."""
+    src, target, target_dir = tiny_target_and_source(tmp_path)
+    info = target_info(target_dir)
+    answered, original = [], R._answer
+
+    def spy(*args):
+        answered.append([cid for cid, _ in args[6]])            # the conversations left to answer
+        return original(*args)
+
+    monkeypatch.setattr(R, "_answer", spy)
+
+    def run(cache, n, new=NEW):
+        monkeypatch.setattr(D, "cache_root", lambda: tmp_path / cache)
+        data = DataConfig(source="jsonl", path=str(src), num_samples=n, max_length=256)
+        cap = CaptureConfig(backend="hf", regenerate=True, regen_max_new_tokens=new, device="cpu")
+        answered.clear()
+        (path,) = R.regenerate(target_dir, target, data, cap, tok, info)
+        return path, list(answered)
+
+    fresh, asked = run("fresh", 0)
+    assert asked == [["a", "b", "c"]]
+
+    two, asked = run("grow", 2)
+    assert asked == [["a", "b"]]
+    grown, asked = run("grow", 0)
+    assert asked == [["c"]]
+    assert grown.read_text() == fresh.read_text() and read(grown)[:2] == read(two)
+    assert json.loads(grown.with_name(f"{grown.stem}.key.json").read_text())["num_samples"] == 0
+
+    run("shrink", 0)
+    fewer, asked = run("shrink", 2)
+    assert asked == [] and read(fewer) == read(fresh)[:2]
+
+    _, asked = run("grow", 2, new=NEW - 1)
+    assert asked == [["a", "b"]]
+
+
+def test_reuse_takes_only_records_that_follow_this_runs_conversations(tmp_path):
+    """A file whose records stop matching the conversations' ids (another source order, a torn
+    last line) gives only its matching leading records."""
+    f = tmp_path / "x.jsonl"
+    f.write_text("".join(json.dumps({"id": i}) + "\n" for i in ["a", "b", "z", "c"]) + '{"id": "d"')
+    assert [json.loads(x)["id"] for x in R._leading_records(f, ["a", "b", "c", "d"])] == ["a", "b"]
+    assert [json.loads(x)["id"] for x in R._leading_records(f, ["a", "b", "z", "c", "d"])] == ["a", "b", "z", "c"]
+    assert R._leading_records(f, ["b"]) == [] and R._leading_records(tmp_path / "none.jsonl", ["a"]) == []
 
 
 def test_first_turns_under_a_length_select_the_same_conversations_for_regeneration_and_training(
