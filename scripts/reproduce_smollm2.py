@@ -361,7 +361,8 @@ def main() -> None:
     ap.add_argument("--regen-minutes", type=float, default=0.0, help="regen_all: time limit (0 = none)")
     ap.add_argument("--regen-chunk", type=int, default=4096, help="regen_all: conversations answered together")
     ap.add_argument("--regen-conversations", type=int, default=0,
-                    help="regen_all: only the first N conversations (the ablations need the first 4,096; 0 = all)")
+                    help="regen_all: only the first N conversations (the ablations need the first 4,096; 0 = all; a later "
+                         "run of all reuses them)")
     ap.add_argument("--regen-continuous", action="store_true",
                     help="regen_all: capture.regen_continuous (rows refilled as answers end, no rounds)")
     ap.add_argument("--eval-backend", default="vllm", choices=["vllm", "hf", "sglang", "replay"],
