@@ -16,6 +16,7 @@ its own slot. Only the plain Llama decoder layer is supported (`supports`); othe
 """
 from __future__ import annotations
 
+import time
 from typing import Any, List, Sequence, Tuple
 
 import torch
@@ -188,6 +189,8 @@ class ContinuousGreedy(StaticGreedy):
         self._capture()                              # while every row is free: the warm-up step
         for t in (self.cur, self.pos, self.n, self.hit):     # wrote to no row in use
             t.zero_()
+        # where the time goes (pace()): decode steps run, prompts prefilled, seconds in each
+        self.steps, self.prefilled, self.decode_s, self.prefill_s = 0, 0, 0.0, 0.0
 
     def _capture(self) -> None:
         """The step on the current buffers, as a graph on CUDA. Capturing runs the step once for real
@@ -248,6 +251,7 @@ class ContinuousGreedy(StaticGreedy):
         if any(len(p) > self.max_prompt for _, p in items):
             raise ValueError(f"a prompt is longer than max_prompt={self.max_prompt}")
         m, dev = self.model, self.device
+        t0 = time.perf_counter()
         step = max(1, self.prefill_tokens // max(len(p) for _, p in items))
         for g in range(0, len(items), step):
             group, r = items[g:g + step], torch.tensor(rows[g:g + step], device=dev)
@@ -268,14 +272,21 @@ class ContinuousGreedy(StaticGreedy):
             self.hit[r] = (first[:, None] == self.stops).any(-1)
         for row, (key, _) in zip(rows, items):
             self.owner[row] = key
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)                # timed apart from the steps that follow
+        self.prefilled += len(items)
+        self.prefill_s += time.perf_counter() - t0
 
     @torch.no_grad()
     def advance(self) -> List[Tuple[Any, List[int]]]:
         """check_every decode steps, then (key, generated ids) of every row that is done: up to and
         including its first stop id, or max_new_tokens ids. Those rows are free again."""
+        t0 = time.perf_counter()
         for _ in range(self.check_every):
             self._replay()
         state = torch.where(self.hit | (self.n >= self.max_new), self.n, 0).tolist()    # one sync
+        self.steps += self.check_every
+        self.decode_s += time.perf_counter() - t0
         rows = [r for r, k in enumerate(state) if k and self.owner[r] is not None]
         if not rows:
             return []
@@ -286,6 +297,13 @@ class ContinuousGreedy(StaticGreedy):
             done.append((self.owner[r], ids if stop is None else ids[:stop + 1]))
             self.owner[r] = None
         return done
+
+    def pace(self) -> str:
+        """Where the time went so far: decode steps (each with its share of the checks' syncs) and
+        refill prefills."""
+        ms = 1e3 * self.decode_s / max(1, self.steps)
+        return (f"{self.steps} steps at {ms:.1f} ms, {self.prefilled} prompts prefilled in "
+                f"{self.prefill_s:.1f} s")
 
     def generate(self, prompts: Sequence[Sequence[int]]) -> List[List[int]]:
         """Every prompt's answer, in order (each up to and including its first stop id)."""

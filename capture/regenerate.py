@@ -304,6 +304,7 @@ def _answer_continuously(todo, tok, dec: ContinuousGreedy, out_path: Path, max_p
     unwritten, waiting = deque(), deque()         # conversations in order; (conversation, prompt)
     n, pace, flushed, stop = 0, 0.0, time.time(), False
     in_flight = max(chunk, dec.rows)
+    answers, t_start, spent0 = 0, time.time(), dec.decode_s + dec.prefill_s
     while True:
         while len(started) < in_flight and n < len(todo) and not stop:
             stop = bool(minutes) and time.time() - t0 + pace > minutes * 60
@@ -322,6 +323,7 @@ def _answer_continuously(todo, tok, dec: ContinuousGreedy, out_path: Path, max_p
         if not waiting and (stop or n == len(todo)) and 4 * dec.busy() <= dec.rows:
             dec.compact()                         # the last conversations: the batch shrinks with them
         for v, ids in dec.advance():
+            answers += 1
             v.answered(tok, *cut_at_stop(ids, dec.stop_ids))
             p = v.prompt(tok, max_prompt_tokens)
             if p is None:
@@ -329,9 +331,14 @@ def _answer_continuously(todo, tok, dec: ContinuousGreedy, out_path: Path, max_p
             else:
                 waiting.append((v, p))
         if time.time() - flushed > FLUSH_S:
+            bar.set_postfix_str(f"{answers} answers, {len(started)} conversations in flight", refresh=False)
             bar.update(_append_finished(out_path, unwritten, started))
             flushed = time.time()
     bar.update(_append_finished(out_path, unwritten, started))
+    wall = time.time() - t_start
+    print(f"[regenerate] continuous: {answers} answers in {wall:.1f} s; {dec.pace()}; "
+          f"{wall - (dec.decode_s + dec.prefill_s - spent0):.1f} s elsewhere (prompts rendered, records "
+          f"written)", flush=True)
     return n
 
 

@@ -133,29 +133,41 @@ def rounds_and_continuous(tok, model, tmp_path, max_prompt_tokens, chunk, rows, 
     dec = R.hf_continuous(model, stop_ids, NEW, max_prompt_tokens - 1, rows)
     assert isinstance(dec, fastgen.ContinuousGreedy) and dec.check_every == 16
     dec.check_every = 3
+    advance, checks = dec.advance, [0]
+
+    def counted():
+        checks[0] += 1
+        return advance()
+    dec.advance = counted
     R.regenerate_conversations(CONVS, tok, dec, cont, max_prompt_tokens, progress=False, chunk=chunk)
-    return read(rounds), read(cont), dec
+    return read(rounds), read(cont), dec, checks[0]
 
 
 @pytest.mark.parametrize("chunk,rows", [(2, 2), (256, 3), (256, 32)])
-def test_continuous_regeneration_writes_the_rounds_records(tok, model, tmp_path, monkeypatch, chunk, rows):
+def test_continuous_regeneration_writes_the_rounds_records(tok, model, tmp_path, monkeypatch, capsys, chunk,
+                                                          rows):
     """Every user turn of 5 conversations (1 to 4 answers each; "d" ends at a prompt past the length
     limit, after its first answer), rounds against continuous: the same file, record for record, in
     conversation order though "b" finishes before "a" (records are appended at every check here).
     One stop id is a token the answers write, so answers end early as well as at the budget."""
     monkeypatch.setattr(R, "FLUSH_S", 0.0)
     eot = chat.stop_ids(tok)
-    first, _, _ = rounds_and_continuous(tok, model, tmp_path / "probe", 1024, chunk, rows, eot)
+    first, _, _, _ = rounds_and_continuous(tok, model, tmp_path / "probe", 1024, chunk, rows, eot)
     common = [t for r in first for m in r["messages"] if m["role"] == "assistant"
               for t in tok.encode(m["content"], add_special_tokens=False)]
     stop_ids = eot + [max(set(common), key=common.count)]
     limit = len(chat.render_prompt(tok, CONVS[3][1][:1])) + 5     # "d"'s second prompt is longer
-    rounds, cont, dec = rounds_and_continuous(tok, model, tmp_path, limit, chunk, rows, stop_ids)
+    rounds, cont, dec, checks = rounds_and_continuous(tok, model, tmp_path, limit, chunk, rows, stop_ids)
     assert cont == rounds
     assert [r["id"] for r in cont] == ["a", "b", "c", "d", "e"]
     assert [len(r["regen"]["new_tokens"]) for r in cont] == [3, 1, 2, 1, 4]
     assert {f for r in cont for f in r["regen"]["finished"]} == {True, False}
     assert dec.busy() == 0
+    # its counts: one prefill per answer; check_every steps per check
+    assert dec.prefilled == sum(len(r["regen"]["new_tokens"]) for r in cont)
+    assert dec.steps == 3 * checks and dec.decode_s > 0 and dec.prefill_s > 0
+    summary = capsys.readouterr().out.splitlines()[-1]
+    assert summary.startswith(f"[regenerate] continuous: {dec.prefilled} answers in ") and f"{dec.steps} steps" in summary
     # 32 rows for 5 conversations: once all have started the free rows go (down to a multiple of 8)
     assert dec.rows == (8 if rows == 32 else rows)
 
