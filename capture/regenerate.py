@@ -15,10 +15,10 @@ the data settings and the answer length); the user turns are kept as they are. A
 as eagle3.chat.assistant_turn makes it (a thinking model's reasoning in reasoning_content), so the
 training data renders the tokens the target wrote. Records are appended to
 `<key>.partial.jsonl` as chunks finish, a rerun skips the ids already there, and the file is
-renamed to `<key>.jsonl` once every conversation is answered; `<key>.key.json` beside it says what
-the answers depend on. A run that differs from an earlier one only in data.num_samples starts from
-that run's answers to the conversations the two share (the first ones of the source): growing a
-dataset from 4,096 conversations to all of them answers only the rest. Capture and online training only
+renamed to `<key>.jsonl` once every conversation is answered (capture/answer_cache.py: the files,
+and `<key>.key.json` beside them). A run that differs from an earlier one only in data.num_samples
+starts from that run's answers to the conversations the two share (the first ones of the source):
+growing a dataset from 4,096 conversations to all of them answers only the rest. Capture and online training only
 read that file (eagle3.data.load_samples); this is the only code that starts a server or per-GPU
 workers to generate.
 """
@@ -33,10 +33,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from capture.answer_cache import done_ids, reuse_other_sizes, write_key
 from capture.fastgen import ContinuousGreedy
 from eagle3 import chat
 from eagle3.config import CaptureConfig, DataConfig, TargetConfig
-from eagle3.data import (BadRecord, Source, iter_conversations, mix_sources, regenerated_path, regeneration_key,
+from eagle3.data import (BadRecord, Source, iter_conversations, mix_sources, regeneration_file, regeneration_key,
                          select_turns)
 from eagle3.serving import server_cmd, sglang_python
 from eagle3.targets import load_target_model, model_dtype, pick_device
@@ -207,24 +208,6 @@ def _sweep_regen_entries(spool: Path) -> None:
 
 # ----------------------------------------------------------------------------------------------
 # The cached regeneration.
-
-def done_ids(path: Path) -> set:
-    """Ids already in the cache file; a torn last line (killed mid-append) is cut off."""
-    if not path.exists():
-        return set()
-    ids, good = set(), 0
-    with open(path, "rb") as f:
-        for line in f:
-            try:
-                ids.add(json.loads(line)["id"])
-            except (ValueError, KeyError):
-                break
-            good += len(line)
-    if good != path.stat().st_size:
-        with open(path, "r+b") as f:
-            f.truncate(good)
-    return ids
-
 
 def regenerate_conversations(conversations: Sequence[Tuple[str, list]], tok, generate: Generate | ContinuousGreedy,
                              out_path: Path, max_prompt_tokens: int, progress: bool = True,
@@ -453,9 +436,9 @@ def regenerate(target_dir: Path, target: TargetConfig, data: DataConfig, capture
 
 def _regenerate_source(src: Source, target_dir: Path, target: TargetConfig, data: DataConfig,
                        capture: CaptureConfig, tok, info) -> Path:
-    path = regenerated_path(info.fingerprint, tok, src, data, capture.regen_max_new_tokens)
     key = regeneration_key(info.fingerprint, tok, src, data, capture.regen_max_new_tokens)
-    _write_key(path, key)
+    path = regeneration_file(key)
+    write_key(path, key)
     if path.exists():
         print(f"[regenerate] every conversation of {src.source} {src.path} is answered in {path}")
         return path
@@ -464,7 +447,7 @@ def _regenerate_source(src: Source, target_dir: Path, target: TargetConfig, data
     if not convs:
         raise SystemExit(f"error: no conversation with a user turn in {src.source} {src.path}")
     if not partial.exists():
-        _reuse_other_sizes(path, key, convs, partial)
+        reuse_other_sizes(path, key, convs, partial)
     have = done_ids(partial)
     missing = [c for c in convs if c[0] not in have]
     print(f"[regenerate] {len(convs) - len(missing)} of {len(convs)} conversations answered in {partial}")
@@ -476,70 +459,6 @@ def _regenerate_source(src: Source, target_dir: Path, target: TargetConfig, data
         return partial
     os.replace(partial, path)
     return path
-
-
-def _key_path(path: Path) -> Path:
-    return path.with_name(f"{path.stem}.key.json")
-
-
-def _write_key(path: Path, key: dict) -> None:
-    """`<hash>.key.json` beside the answers: what they were generated with, so that a run whose key
-    differs only in data.num_samples can find them (_reuse_other_sizes)."""
-    kp = _key_path(path)
-    if not kp.exists():
-        kp.parent.mkdir(parents=True, exist_ok=True)
-        tmp = kp.with_name(kp.name + ".tmp")
-        tmp.write_text(json.dumps(key, sort_keys=True, indent=1) + "\n")
-        os.replace(tmp, kp)
-
-
-def _reuse_other_sizes(path: Path, key: dict, convs: Sequence[Tuple[str, list]], partial: Path) -> int:
-    """Start `partial` with the answers of an earlier run that differs from this one only in
-    data.num_samples (4,096 conversations first, then all of them; or all first, then fewer). Both
-    take the first usable conversations of the same source in file order, so the other run's
-    records, as far as their ids follow this run's conversations one for one, are this run's
-    first conversations answered with the same target, template, lengths and answer budget.
-    Returns the number of conversations reused (the most any such file offers)."""
-    same = {k: v for k, v in key.items() if k != "num_samples"}
-    best: List[str] = []
-    best_from = None
-    for kp in sorted(path.parent.glob("*.key.json")):
-        try:
-            other = json.loads(kp.read_text())
-        except ValueError:
-            continue
-        if {k: v for k, v in other.items() if k != "num_samples"} != same or other == key:
-            continue
-        stem = kp.name[:-len(".key.json")]
-        for f in (path.parent / f"{stem}.jsonl", path.parent / f"{stem}.partial.jsonl"):
-            lines = _leading_records(f, [cid for cid, _ in convs])
-            if len(lines) > len(best):
-                best, best_from = lines, (f, other["num_samples"])
-    if best:
-        with open(partial, "w", encoding="utf-8") as out:
-            out.writelines(best)
-            out.flush()
-            os.fsync(out.fileno())
-        f, n = best_from
-        print(f"[regenerate] {len(best)} conversations reused from {f} (the same settings with "
-              f"data.num_samples={n})")
-    return len(best)
-
-
-def _leading_records(path: Path, ids: Sequence[str]) -> List[str]:
-    """The lines of a cache file, from its start, whose ids are ids[0], ids[1], ... in turn."""
-    if not path.exists():
-        return []
-    lines = []
-    with open(path, encoding="utf-8") as f:
-        for line, want in zip(f, ids):
-            try:
-                if json.loads(line)["id"] != want:
-                    break
-            except (ValueError, KeyError):
-                break
-            lines.append(line if line.endswith("\n") else line + "\n")
-    return lines
 
 
 def _answer(target_dir: Path, target: TargetConfig, data: DataConfig, capture: CaptureConfig, tok,

@@ -426,10 +426,14 @@ def regeneration_key(target_fingerprint: str, tokenizer, src: Source, data: Data
 def regenerated_path(target_fingerprint: str, tokenizer, src: Source, data: DataConfig,
                      max_new_tokens: int) -> Path:
     """Where the target's own answers to one source's conversations live (capture/regenerate.py
-    writes them, one file per source of the mix): under ~/.cache/eagle3/regen/, named by a hash of
-    regeneration_key. Beside it, `<hash>.key.json` holds the key itself."""
-    key = json.dumps(regeneration_key(target_fingerprint, tokenizer, src, data, max_new_tokens), sort_keys=True)
-    return cache_root() / "regen" / f"{hashlib.blake2b(key.encode(), digest_size=8).hexdigest()}.jsonl"
+    writes them, one file per source of the mix): regeneration_file of its regeneration_key."""
+    return regeneration_file(regeneration_key(target_fingerprint, tokenizer, src, data, max_new_tokens))
+
+
+def regeneration_file(key: dict) -> Path:
+    """~/.cache/eagle3/regen/<hash of key>.jsonl. Beside it, `<hash>.key.json` holds the key itself."""
+    text = json.dumps(key, sort_keys=True)
+    return cache_root() / "regen" / f"{hashlib.blake2b(text.encode(), digest_size=8).hexdigest()}.jsonl"
 
 
 def regeneration_command() -> str:

@@ -13,6 +13,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from capture import answer_cache
 from capture import regenerate as R
 from eagle3 import data as D
 from eagle3 import chat
@@ -246,9 +247,9 @@ def test_reuse_takes_only_records_that_follow_this_runs_conversations(tmp_path):
     last line) gives only its matching leading records."""
     f = tmp_path / "x.jsonl"
     f.write_text("".join(json.dumps({"id": i}) + "\n" for i in ["a", "b", "z", "c"]) + '{"id": "d"')
-    assert [json.loads(x)["id"] for x in R._leading_records(f, ["a", "b", "c", "d"])] == ["a", "b"]
-    assert [json.loads(x)["id"] for x in R._leading_records(f, ["a", "b", "z", "c", "d"])] == ["a", "b", "z", "c"]
-    assert R._leading_records(f, ["b"]) == [] and R._leading_records(tmp_path / "none.jsonl", ["a"]) == []
+    assert [json.loads(x)["id"] for x in answer_cache.leading_records(f, ["a", "b", "c", "d"])] == ["a", "b"]
+    assert [json.loads(x)["id"] for x in answer_cache.leading_records(f, ["a", "b", "z", "c", "d"])] == ["a", "b", "z", "c"]
+    assert answer_cache.leading_records(f, ["b"]) == [] and answer_cache.leading_records(tmp_path / "none.jsonl", ["a"]) == []
 
 
 def test_first_turns_under_a_length_select_the_same_conversations_for_regeneration_and_training(
