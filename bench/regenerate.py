@@ -120,6 +120,7 @@ def main() -> None:
 def decode_steps(args, model, stop, device, repeats: int = 40) -> None:
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     print(f"{'rows':>6s} {'slots':>6s} {'ms/step':>8s} {'tok/s':>9s}")
     for rows in map(int, args.step_rows.split(",")):
         for max_prompt in map(int, args.step_prompt.split(",")):
@@ -128,13 +129,11 @@ def decode_steps(args, model, stop, device, repeats: int = 40) -> None:
             dec.add([(r, torch.randint(0, vocab, (n,), generator=g).tolist()) for r, n in enumerate(lengths)])
             for _ in range(3):
                 dec._replay()
-            if device == "cuda":
-                torch.cuda.synchronize()
+            sync()
             t = time.perf_counter()
             for _ in range(repeats):
                 dec._replay()
-            if device == "cuda":
-                torch.cuda.synchronize()
+            sync()
             ms = (time.perf_counter() - t) / repeats * 1e3
             print(f"{rows:6d} {dec.arange.shape[0]:6d} {ms:8.2f} {rows / ms * 1e3:9.0f}", flush=True)
             del dec
