@@ -3,7 +3,7 @@
 The drafter step is matmuls plus chains of elementwise ops that eager PyTorch runs as one kernel
 per op, each reading and writing its whole tensor (often an fp32 copy): RMSNorm, rope, silu*up,
 the attention's log-sum-exp merge and the soft cross-entropy. Each chain is ONE pure tensor
-function beside its user (eagle3/model.py, eagle3/loss.py), decorated with `@fused`: on a GPU it
+function beside its user (eagle3/layers.py, eagle3/loss.py), decorated with `@fused`: on a GPU it
 runs through torch.compile (inductor writes one Triton kernel per chain, intermediates stay in
 registers), elsewhere it is the plain function. Same function, same math; the two differ only by
 float rounding (a fused kernel rounds once where eager rounds after each op).

@@ -14,7 +14,7 @@ from torch._dynamo.utils import counters
 from eagle3 import fused
 from eagle3.loss import _scale_rows, _soft_ce, ttt_loss
 from eagle3.attention import _merge, _merge_backward, _merge_grads
-from eagle3.model import rms_norm, rope, rope_angles, silu_mul
+from eagle3.layers import rms_norm, rope, rope_angles, silu_mul
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2 ** -7}
 DTYPES = [torch.float32, torch.bfloat16]

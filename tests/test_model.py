@@ -103,7 +103,7 @@ EXPORT_NAMES = {
 }
 
 
-# q/k/v are stored as the embedding and hidden halves of their fused weight (eagle3.model.Attention)
+# q/k/v are stored as the embedding and hidden halves of their fused weight (eagle3.layers.Attention)
 STORED_QKV = {"midlayer.self_attn.qkv_embed": (128, 32), "midlayer.self_attn.qkv_hidden": (128, 32)}
 
 
