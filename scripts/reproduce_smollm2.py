@@ -98,15 +98,16 @@ PEER = {"peer_specforge_recipe": [],                        # lr 1e-4: exactly S
         "peer_lr1e-3": ["optim.lr=1e-3"],
         "peer_lr1e-3_ttt1": ["optim.lr=1e-3", "train.ttt_steps=1"],
         "peer_lr1e-3_original": ["optim.lr=1e-3", "capture.regenerate=false"]}
-# one epoch over the first conversations that hold this many answered prompts (55,085: the first
-# 16,384 conversations of the greedy answer file)
+# one epoch of batch 16 over the first conversations that hold this many answered prompts (55,085:
+# the first 16,384 conversations of the greedy answer file)
+SCALE_COMMON = ["train.epochs=1", "train.batch_size=16", "optim.lr=1e-3", "train.length_groups=0"]
 SCALE = {"scale_8k": (8000, []), "scale_20k": (20000, []), "scale_30k": (29600, []), "scale_55k": (55085, []),
          "scale_55k_warm": (55085, ["drafter.head_from_target=true"])}
 # several epochs over all answers
 LONG = {
-        "long_b128": ["train.batch_size=128", "optim.lr=3e-3", "train.epochs=3"],
-        "long_b64": ["train.batch_size=64", "optim.lr=2e-3", "train.epochs=3"],
-        "long_b64_e5": ["train.batch_size=64", "optim.lr=2e-3", "train.epochs=5"],
+        "long_b128": ["train.batch_size=128", "optim.lr=3e-3", "train.epochs=3", "train.length_groups=0"],
+        "long_b64": ["train.batch_size=64", "optim.lr=2e-3", "train.epochs=3", "train.length_groups=0"],
+        "long_b64_e5": ["train.batch_size=64", "optim.lr=2e-3", "train.epochs=5", "train.length_groups=0"],
         "long_b64_e10_g32": ["train.batch_size=64", "optim.lr=2e-3", "train.epochs=10", "train.length_groups=32"],
         "long_b32_e10_g32": ["train.batch_size=32", "optim.lr=1.5e-3", "train.epochs=10",   # the committed drafter
                              "train.length_groups=32"]}
@@ -198,7 +199,7 @@ def build_jobs(work: Path, dry: bool, gpus: int, regen_minutes: float = 0.0, reg
                 deps=["regen_peer"], gpus=0,
                 after=["zero3_2gpu", "kimi_zero3_2gpu"] if gpus >= 2 else [])]
     jobs += [Job(n, train("smollm2_peer", n, *o), deps=["regen_peer"]) for n, o in PEER.items()]
-    jobs += [Job(n, scale_train(n, k, *o), deps=["regen_all"]) for n, (k, o) in SCALE.items()]
+    jobs += [Job(n, scale_train(n, k, *SCALE_COMMON, *o), deps=["regen_all"]) for n, (k, o) in SCALE.items()]
     jobs += [Job(n, scale_train(n, 0, *o), deps=["regen_all"]) for n, o in LONG.items()]
     # the format pair first: each captures its features before it trains
     jobs += [Job(n, ablation(n, "train.mode=offline", f"capture.format={f}",

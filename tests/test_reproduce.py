@@ -173,3 +173,26 @@ def test_a_signal_reaches_each_running_job_once_and_a_stopped_training_resumes(t
     (ck / "latest").write_text("step_0000500\n")
     cmd = {j.name: j for j in build_jobs(work, False, 1, answers=answers)}["long_b32_e10_g32"].cmd()
     assert cmd[-1] == "resume=true"
+
+
+def test_the_scale_experiments_defaults_are_the_committed_recipe_and_the_scale_jobs_keep_theirs(tmp_path):
+    """`train.py +experiment=smollm2_scale` alone trains the committed drafter's recipe (each override
+    of long_b32_e10_g32 is already the composed value), while the scaling-curve jobs spell out their
+    one epoch of batch 16, so moving the experiment's defaults does not move the documented rows."""
+    import yaml
+    from reproduce_smollm2 import LONG
+
+    p = subprocess.run([sys.executable, "train.py", "+experiment=smollm2_scale", "--cfg", "job"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    cfg = yaml.safe_load(p.stdout)
+    for override in LONG["long_b32_e10_g32"]:
+        key, value = override.split("=")
+        section, name = key.split(".")
+        assert float(cfg[section][name]) == float(value), override
+    answers = answers_file(tmp_path / "answers.jsonl")
+    jobs = {j.name: j for j in build_jobs(tmp_path, True, 1, answers=answers)}      # dry: 40 answers suffice
+    for name in ("scale_8k", "scale_20k", "scale_30k"):
+        cmd = jobs[name].cmd()
+        # docs/results.md's scaling rows: one epoch of batch 16 at lr 1e-3, random batches
+        assert {"train.epochs=1", "train.batch_size=16", "optim.lr=1e-3", "train.length_groups=0"} <= set(cmd), name
