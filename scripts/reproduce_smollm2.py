@@ -117,6 +117,9 @@ _NORMS = ["train.batch_size=32", "optim.lr=1.5e-3", "train.length_groups=32", "d
 for _epochs in (10, 20):
     LONG[f"long_norms_b32_e{_epochs}_g32"] = [*_NORMS, f"train.epochs={_epochs}"]
 LONG["long_norms_mlp4x_b32_e10_g32"] = [*_NORMS, "train.epochs=10", "drafter.intermediate_size=6144"]
+# for a chain of 3: the norms and TTT 4 (both ahead in the ablations); TTT 4's cheaper steps pay for
+# two more epochs in about the committed recipe's GPU time
+LONG["long_norms_ttt4_b32_e12_g32"] = [*_NORMS, "train.epochs=12", "train.ttt_steps=4"]
 
 # ablations: the first ABL_CONVERSATIONS conversations of the answer file, two epochs of batch 16
 ABL_CONVERSATIONS = 4096
