@@ -31,7 +31,8 @@ from eagle3.export import write_export
 from eagle3.features import check_draft_vocab
 from eagle3.loss import CountedRows, TTTOutput, batch_teacher, unigram_correct
 from eagle3.losses import check_loss
-from eagle3.model import Eagle3Drafter, drafter_shape
+from eagle3.model import Eagle3Drafter
+from eagle3.shape import drafter_shape
 from eagle3.optim import adamw, clip_grad_norm
 from eagle3.stream import total_steps
 from eagle3.plots import plot_runs

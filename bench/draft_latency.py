@@ -7,7 +7,7 @@ GPU the step is replayed as a CUDA graph (SGLang captures its draft steps so); o
     python bench/draft_latency.py --device cpu --preset tiny        # seconds on a CPU (tests smoke this)
     python bench/draft_latency.py --device cpu --preset smollm2 --dtype bfloat16
 
-Feeds eagle3/projection.py's draft_ms. Widths from eagle3.model.DrafterShape: kimi = this repo's
+Feeds eagle3/projection.py's draft_ms. Widths from eagle3.shape.DrafterShape: kimi = this repo's
 Kimi-K2.5 drafter (hidden 7168, 64 x 128 heads, 64 KV heads, intermediate 18432, draft vocab
 32000), smollm2 = results/smollm2-drafter (hidden 576, 9 heads, 3 KV heads, head_dim 64,
 intermediate 1536, draft vocab 4096). Weights are random: the time of a step does not depend on them.
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from eagle3.model import DrafterShape  # noqa: E402
+from eagle3.shape import DrafterShape  # noqa: E402
 
 PRESETS = {
     "kimi": DrafterShape(hidden_size=7168, intermediate_size=18432, num_attention_heads=64, num_key_value_heads=64,

@@ -93,7 +93,8 @@ def print_speed() -> None:
 def real_features(args):
     from eagle3.export import find_export, load_export
     from eagle3.features import FeatureDataset
-    from eagle3.model import DrafterShape, Eagle3Drafter
+    from eagle3.model import Eagle3Drafter
+    from eagle3.shape import DrafterShape
     from eagle3.targets import load_head, resolve_target
     from eagle3.vocab import DraftVocab
 

@@ -25,7 +25,8 @@ from eagle3.export import find_export, load_export  # noqa: E402
 from eagle3.features import FeatureDataset  # noqa: E402
 from eagle3.shards import dequantize_fp8, quantize_fp8  # noqa: E402
 from eagle3.loss import target_teacher, ttt_loss  # noqa: E402
-from eagle3.model import DrafterShape, Eagle3Drafter  # noqa: E402
+from eagle3.model import Eagle3Drafter  # noqa: E402
+from eagle3.shape import DrafterShape  # noqa: E402
 from eagle3.targets import load_head, resolve_target  # noqa: E402
 from eagle3.vocab import DraftVocab  # noqa: E402
 

@@ -47,7 +47,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from eagle3 import fused  # noqa: E402
 from eagle3.loss import ttt_loss  # noqa: E402
-from eagle3.model import DrafterShape, Eagle3Drafter  # noqa: E402
+from eagle3.model import Eagle3Drafter  # noqa: E402
+from eagle3.shape import DrafterShape  # noqa: E402
 from eagle3.optim import adamw, clip_grad_norm  # noqa: E402
 from eagle3.vocab import DraftVocab  # noqa: E402
 

@@ -160,7 +160,9 @@ def expected_tensor_names(cfg: dict) -> set:
     without embed_tokens (the engines use the target's), plus the draft vocab map d2t and t2d."""
     import torch
 
-    from eagle3.model import DrafterShape, Eagle3Drafter
+    from eagle3.model import Eagle3Drafter
+
+    from eagle3.shape import DrafterShape
     with torch.device("meta"):                     # names only: the meta device allocates nothing
         m = Eagle3Drafter(DrafterShape.from_hf_config(cfg))
     names = set(m.to_engine_names(dict(m.named_parameters())))

@@ -36,7 +36,8 @@ from safetensors.torch import load_file, save_file
 from eagle3 import checkpoint
 from eagle3.durable import disk_full, fsync_dir, fsync_tree, is_disk_full
 from eagle3.engine_ids import engine_aux_ids
-from eagle3.model import Eagle3Drafter, DrafterShape, drafter_shape
+from eagle3.model import Eagle3Drafter
+from eagle3.shape import DrafterShape, drafter_shape
 from eagle3.targets import Target, prepare_target
 from eagle3.vocab import DraftVocab
 
@@ -48,7 +49,7 @@ _METADATA = {"format": "pt"}
 
 def drafter_config(shape, aux_layers: Sequence[int], engine: str, target_architectures: Sequence[str],
                    target_name: str = "", target_fingerprint: str = "") -> dict:
-    """config.json for one engine. `shape` is eagle3.model.DrafterShape; target_architectures is the
+    """config.json for one engine. `shape` is eagle3.shape.DrafterShape; target_architectures is the
     target's config.json `architectures` (eagle3/engine_ids.py keys the engine's ids on it)."""
     return {
         "architectures": ["LlamaForCausalLMEagle3"],

@@ -9,7 +9,7 @@ fused kernels on a GPU (eagle3/fused.py).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Dict, List
+from typing import Dict, List
 
 import torch
 import torch.nn.functional as F
@@ -18,9 +18,8 @@ from torch import nn
 from eagle3.attention import at_least_fp32, attend
 from eagle3.fused import fused
 from eagle3.reused import Reused, linear, shared, window
+from eagle3.shape import DrafterShape
 
-if TYPE_CHECKING:
-    from eagle3.model import DrafterShape
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):

@@ -24,7 +24,9 @@ from typing import List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
-from eagle3.model import DraftKVCache, DrafterShape, Eagle3Drafter
+from eagle3.model import DraftKVCache, Eagle3Drafter
+
+from eagle3.shape import DrafterShape
 
 
 @dataclass

@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from eagle3.data import build_samples  # noqa: E402
 from eagle3.export import INDEX_NAME, drafter_config, load_export, prune_draft_vocab, reshard_export  # noqa: E402
-from eagle3.model import DrafterShape  # noqa: E402
+from eagle3.shape import DrafterShape  # noqa: E402
 from eagle3.targets import load_tokenizer, resolve_target, target_info  # noqa: E402
 from eagle3.vocab import count_tokens  # noqa: E402
 

@@ -274,7 +274,7 @@ def bench_command(run_dir: Path, tr: dict, steps: int, on_gpu: bool) -> list:
     batch_size / micro_batch_size such micro-batches a step (on one GPU, accumulated), the bench one."""
     import yaml
 
-    from eagle3.model import DrafterShape
+    from eagle3.shape import DrafterShape
 
     s = DrafterShape.from_hf_config(json.loads((run_dir / "export" / "sglang" / "config.json").read_text()))
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
@@ -346,7 +346,8 @@ def random_export(out: Path) -> Path:
     import yaml
 
     from eagle3.export import export_drafter
-    from eagle3.model import DrafterShape, Eagle3Drafter
+    from eagle3.model import Eagle3Drafter
+    from eagle3.shape import DrafterShape
     recipe = yaml.safe_load((ROOT / "conf" / "experiment" / "kimi_k25.yaml").read_text())
     d = recipe["drafter"]
     shape = DrafterShape(hidden_size=KIMI_K25["hidden_size"], intermediate_size=d["intermediate_size"],
@@ -377,7 +378,7 @@ def check_sglang(export: Path) -> None:
 
     sys.path.insert(0, str(ROOT / "tests" / "sglang"))
     from capture.sglang_server import free_port
-    from eagle3.model import DrafterShape
+    from eagle3.shape import DrafterShape
     from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
     from sglang.srt.runtime_context import SpawnRanks, publish
     from sglang.srt.server_args import ServerArgs

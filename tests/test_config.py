@@ -53,7 +53,7 @@ def test_kimi_dims_builds_the_kimi_drafter_at_its_real_size():
     """The scale-out experiment's drafter is Kimi-K2.5's (1,190.9M trainable parameters, counted here
     by hand), on a random target of Kimi's hidden size and MLA dims, trained online under ZeRO-3."""
     from types import SimpleNamespace
-    from eagle3.model import drafter_shape
+    from eagle3.shape import drafter_shape
 
     c = schema.to_config(_compose("train", ["+experiment=kimi_dims"]))
     rc = c.target.random_config

@@ -19,7 +19,8 @@ from eagle3.engine_ids import capture_layer_ids, engine_aux_ids, known_architect
 from eagle3.evaluation import check_drafter_fits
 from eagle3.export import load_export
 from eagle3.export import write_export
-from eagle3.model import Eagle3Drafter, drafter_shape
+from eagle3.model import Eagle3Drafter
+from eagle3.shape import drafter_shape
 from eagle3.targets import prepare_target
 from eagle3.vocab import DraftVocab
 

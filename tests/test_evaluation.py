@@ -9,7 +9,8 @@ import torch
 
 from eagle3 import chat, evaluation as ev
 from eagle3.export import drafter_config, export_drafter, export_state_dict
-from eagle3.model import DrafterShape, Eagle3Drafter
+from eagle3.model import Eagle3Drafter
+from eagle3.shape import DrafterShape
 
 ROOT = Path(__file__).resolve().parents[1]
 

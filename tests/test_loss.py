@@ -11,7 +11,8 @@ from torch.distributions import Categorical, kl_divergence
 
 from eagle3.losses import LOSSES
 from eagle3.loss import CountedRows, counted_rows, target_teacher, ttt_loss, ttt_mask
-from eagle3.model import DraftKVCache, DrafterShape, Eagle3Drafter
+from eagle3.model import DraftKVCache, Eagle3Drafter
+from eagle3.shape import DrafterShape
 from eagle3.vocab import build_vocab
 
 SHAPE = DrafterShape(hidden_size=16, intermediate_size=24, num_attention_heads=4,

@@ -53,7 +53,7 @@ def test_training_with_each_loss_lowers_it_on_the_tiny_target(tiny_target_batch,
     """A few AdamW steps of TTT (3 steps, decay 0.8, a 256-token draft vocab) on the tiny target's
     own states: every loss choice, with and without the EAGLE-3.1 norms, trains and goes down."""
     from eagle3.config import DrafterConfig
-    from eagle3.model import drafter_shape
+    from eagle3.shape import drafter_shape
 
     info, embed, vocab, batch = tiny_target_batch
     cfg = DrafterConfig(**norms)

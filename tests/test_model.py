@@ -9,7 +9,8 @@ import torch
 from transformers import LlamaConfig
 
 from eagle3.config import DrafterConfig
-from eagle3.model import DraftKVCache, DrafterShape, Eagle3Drafter, drafter_shape
+from eagle3.model import DraftKVCache, Eagle3Drafter
+from eagle3.shape import DrafterShape, drafter_shape
 
 SHAPE = DrafterShape(hidden_size=32, intermediate_size=48, num_attention_heads=4,
                      num_key_value_heads=2, head_dim=16, vocab_size=50, draft_vocab_size=20,

@@ -91,7 +91,8 @@ def test_evaluate_adds_the_projected_table(tmp_path):
     from omegaconf import OmegaConf
 
     from eagle3.export import export_drafter
-    from eagle3.model import DrafterShape, Eagle3Drafter
+    from eagle3.model import Eagle3Drafter
+    from eagle3.shape import DrafterShape
     from eagle3.targets import resolve_target, target_info
     tcfg = OmegaConf.load(ROOT / "conf/target/tiny_llama.yaml")
     info = target_info(resolve_target("random", "", tcfg.name, "llama", OmegaConf.to_container(tcfg.random_config), 0))

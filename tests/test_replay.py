@@ -17,7 +17,8 @@ from omegaconf import OmegaConf
 from eagle3 import replay as rp
 from eagle3.hidden import capture_batch, pad_right
 from eagle3.loss import ttt_loss
-from eagle3.model import DrafterShape, Eagle3Drafter
+from eagle3.model import Eagle3Drafter
+from eagle3.shape import DrafterShape
 from eagle3.specdec import Eagle3ChainDrafter, greedy_decode, spec_decode
 from eagle3.targets import load_target_model, resolve_target
 from eagle3.vocab import DraftVocab

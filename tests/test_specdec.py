@@ -10,7 +10,8 @@ import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from eagle3.export import export_drafter
-from eagle3.model import DrafterShape, Eagle3Drafter
+from eagle3.model import Eagle3Drafter
+from eagle3.shape import DrafterShape
 from eagle3.specdec import Eagle3ChainDrafter, greedy_decode, load_hf_drafter, spec_decode
 
 V, H, LAYERS, AUX = 256, 64, 5, [1, 2, 4]

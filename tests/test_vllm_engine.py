@@ -51,7 +51,8 @@ def fit_memorizing_drafter(out_root: Path, steps: int = 80, **norms) -> Path:
     from eagle3 import chat, evaluation as ev
     from eagle3.export import export_drafter
     from eagle3.loss import target_teacher, ttt_loss
-    from eagle3.model import DrafterShape, Eagle3Drafter
+    from eagle3.model import Eagle3Drafter
+    from eagle3.shape import DrafterShape
     from eagle3.specdec import greedy_decode
     from eagle3.targets import default_aux_layers, load_target_model, load_tokenizer, resolve_target, target_info
     from eagle3.vocab import build_vocab, count_tokens

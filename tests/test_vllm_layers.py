@@ -23,7 +23,8 @@ pytest.importorskip("vllm.model_executor.models.llama_eagle3", reason="vLLM is n
 from safetensors.torch import load_file  # noqa: E402
 
 from eagle3.export import export_drafter  # noqa: E402
-from eagle3.model import DrafterShape, Eagle3Drafter  # noqa: E402
+from eagle3.model import Eagle3Drafter  # noqa: E402
+from eagle3.shape import DrafterShape  # noqa: E402
 
 SHAPE = DrafterShape(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
                      head_dim=16, vocab_size=300, draft_vocab_size=50, target_hidden_size=48, num_aux=3)

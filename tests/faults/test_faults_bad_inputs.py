@@ -16,7 +16,8 @@ from eagle3 import checkpoint, export
 from eagle3.evaluation import DrafterMismatch, check_drafter_fits
 from eagle3.features import FeatureDataset, FeatureDatasetError, check_compatible, make_meta
 from eagle3.feature_writer import FeatureWriter
-from eagle3.model import DrafterShape, Eagle3Drafter
+from eagle3.model import Eagle3Drafter
+from eagle3.shape import DrafterShape
 
 K, H = 3, 8
 SHAPE = DrafterShape(hidden_size=48, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,

@@ -20,7 +20,8 @@ pytest.importorskip("sglang.srt.configs.model_config",
 import torch  # noqa: E402
 
 from eagle3.export import export_drafter  # noqa: E402
-from eagle3.model import DrafterShape, Eagle3Drafter  # noqa: E402
+from eagle3.model import Eagle3Drafter  # noqa: E402
+from eagle3.shape import DrafterShape  # noqa: E402
 from eagle3.serving import eval_server_cmd  # noqa: E402
 
 CONF = Path(__file__).resolve().parents[2] / "conf" / "experiment" / "kimi_k25.yaml"

@@ -38,7 +38,8 @@ from safetensors.torch import load_file  # noqa: E402
 from capture.sglang_server import free_port  # noqa: E402
 from eagle3.serving import eval_server_cmd  # noqa: E402
 from eagle3.export import export_drafter  # noqa: E402
-from eagle3.model import DrafterShape, Eagle3Drafter  # noqa: E402
+from eagle3.model import Eagle3Drafter  # noqa: E402
+from eagle3.shape import DrafterShape  # noqa: E402
 from sglang_chain import layers_sglang_captures  # noqa: E402
 
 SHAPE = DrafterShape(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
