@@ -149,8 +149,9 @@ def run_replay(e, target_dir, dtype_name, drafters, prompt_sets, tokenizer, stop
     return base if e.baseline else {}, spec, versions
 
 
-def run_vllm(e, target_dir, max_model_len, drafters, prompt_sets, tokenizer, stop, chains) -> tuple:
-    """vLLM in-process (its CPU build here): one LLM object at a time, freed before the next."""
+def run_vllm(e, target_dir, dtype_name, max_model_len, drafters, prompt_sets, tokenizer, stop, chains) -> tuple:
+    """vLLM in-process (its CPU build here): one LLM object at a time, freed before the next. The
+    target and drafter run in bf16 unless target.dtype names another dtype."""
     import gc
 
     import torch
@@ -161,7 +162,8 @@ def run_vllm(e, target_dir, max_model_len, drafters, prompt_sets, tokenizer, sto
     # vLLM allows only when asked (both processes are ours, on this machine).
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     params = SamplingParams(temperature=0.0, max_tokens=e.max_new_tokens, stop_token_ids=list(stop))
-    common = dict(model=str(target_dir), dtype="bfloat16", max_model_len=max_model_len,
+    common = dict(model=str(target_dir), dtype="bfloat16" if dtype_name == "auto" else dtype_name,
+                  max_model_len=max_model_len,
                   # on the CPU backend this is the fraction of host memory; the 0.92 default fails at 24 GiB
                   gpu_memory_utilization=0.85 if on_gpu else 0.25,
                   enforce_eager=not on_gpu, disable_log_stats=False, seed=0)
@@ -346,7 +348,8 @@ def evaluate(c: Config) -> Dict[str, Path]:
                       for f in p.followups) for ps in prompt_sets.values() for p in ps)
         turns = 1 + max(len(p.followups) for ps in prompt_sets.values() for p in ps)
         max_len = min(info.max_position_embeddings or 1 << 30, longest + turns * e.max_new_tokens + max(chains) + 64)
-        base, spec, versions = run_vllm(e, target_dir, max_len, drafters, prompt_sets, tokenizer, stop, chains)
+        base, spec, versions = run_vllm(e, target_dir, t.dtype, max_len, drafters, prompt_sets, tokenizer, stop,
+                                        chains)
     else:
         base, spec, versions = run_sglang(e, target_dir, t.trust_remote_code, drafters, prompt_sets,
                                           tokenizer, stop, out_dir, chains)
