@@ -151,6 +151,12 @@ def _evaluate(backend, drafters, out, extra=(), num_prompts=NUM_PROMPTS, max_new
     return json.loads((Path(out) / "report.json").read_text())
 
 
+def per_prompt_tau(out: Path, drafter: str) -> dict:
+    """prompt id -> that prompt's tau (1 + accepted / drafts) for one drafter of an evaluation in `out`."""
+    rows = [json.loads(line) for line in (out / "per_prompt.jsonl").read_text().splitlines()]
+    return {r["prompt_id"]: 1 + r["num_accepted"] / max(1, r["num_drafts"]) for r in rows if r["drafter"] == drafter}
+
+
 def test_hf_and_vllm_agree_on_tau(drafter_dir, tmp_path):
     shifted = drafter_dir.parent.parent / "shifted" / "export" / "vllm"
     drafters = [drafter_dir] + ([shifted] if shifted.exists() else [])
@@ -264,14 +270,10 @@ def test_vllm_runs_every_layer_of_a_two_layer_drafter(two_layer_drafter_dir, tmp
     for a, b in zip(hf["accept_per_position"], vl["accept_per_position"]):
         assert abs(a - b) <= 0.15
 
-    def per_prompt(out, name):
-        rows = [json.loads(line) for line in (out / "per_prompt.jsonl").read_text().splitlines()]
-        return {r["prompt_id"]: r["num_accepted"] / max(1, r["num_drafts"]) for r in rows if r["drafter"] == name}
-
     def gap(a, b):
         return sum(abs(a[p] - b[p]) for p in a)
-    both, first = per_prompt(tmp_path / "hf", hf["drafter"]), per_prompt(tmp_path / "hf", hf_one["drafter"])
-    served = per_prompt(tmp_path / "vllm", vl["drafter"])
+    both, first = per_prompt_tau(tmp_path / "hf", hf["drafter"]), per_prompt_tau(tmp_path / "hf", hf_one["drafter"])
+    served = per_prompt_tau(tmp_path / "vllm", vl["drafter"])
     print(f"\nper-prompt gap of vllm to both layers {gap(served, both):.3f}, to the first alone {gap(served, first):.3f}")
     assert both != first                       # the second layer changes what is accepted on these prompts
     assert gap(served, both) < gap(served, first)
@@ -297,11 +299,7 @@ def test_the_committed_drafter_shows_the_layer_id_convention(tmp_path):
                     num_prompts=NUM_PROMPTS_IDS, max_new=MAX_NEW_IDS)
     good, bad = rep["results"]
     assert good["engine_aux_layers"] == [2, 15, 27] and bad["engine_aux_layers"] == [3, 16, 28]
-    rows = [json.loads(line) for line in (tmp_path / "out" / "per_prompt.jsonl").read_text().splitlines()]
-
-    def per_prompt(name):
-        return {r["prompt_id"]: 1 + r["num_accepted"] / max(1, r["num_drafts"]) for r in rows if r["drafter"] == name}
-    a, b = per_prompt(good["drafter"]), per_prompt(bad["drafter"])
+    a, b = per_prompt_tau(tmp_path / "out", good["drafter"]), per_prompt_tau(tmp_path / "out", bad["drafter"])
     diff = torch.tensor([a[p] - b[p] for p in a], dtype=torch.float64)
     t = float(diff.mean() / (diff.std() / len(diff) ** 0.5))       # paired t over prompts
     wins = int((diff > 0).sum())
