@@ -19,7 +19,6 @@ SHAPE = DrafterShape(hidden_size=16, intermediate_size=24, num_attention_heads=4
                      num_key_value_heads=2, head_dim=8, vocab_size=20, draft_vocab_size=12,
                      target_hidden_size=12, num_aux=3, rms_norm_eps=1e-6, rope_theta=100.0)
 
-
 NORMS = [dict(fc_norm=True), dict(norm_output=True), dict(fc_norm=True, norm_output=True)]
 
 
