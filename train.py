@@ -32,12 +32,12 @@ from eagle3.features import check_draft_vocab
 from eagle3.loss import CountedRows, TTTOutput, batch_teacher, unigram_correct
 from eagle3.losses import check_loss
 from eagle3.model import Eagle3Drafter
-from eagle3.shape import drafter_shape
 from eagle3.optim import adamw, clip_grad_norm
-from eagle3.stream import total_steps
 from eagle3.plots import plot_runs
+from eagle3.shape import drafter_shape
 from eagle3.sources import (Data, batch_order, captures_in_process, offline_data, online_data,
                             stream_data)
+from eagle3.stream import total_steps
 from capture.run import capture_features
 from capture.sglang_server import free_port
 from eagle3.targets import load_final_norm, load_head, prepare_target

@@ -161,7 +161,6 @@ def expected_tensor_names(cfg: dict) -> set:
     import torch
 
     from eagle3.model import Eagle3Drafter
-
     from eagle3.shape import DrafterShape
     with torch.device("meta"):                     # names only: the meta device allocates nothing
         m = Eagle3Drafter(DrafterShape.from_hf_config(cfg))

@@ -25,7 +25,6 @@ from typing import List, Optional, Protocol, Sequence, Tuple
 import torch
 
 from eagle3.model import DraftKVCache, Eagle3Drafter
-
 from eagle3.shape import DrafterShape
 
 

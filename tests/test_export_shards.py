@@ -17,8 +17,6 @@ from safetensors.torch import load_file
 
 from eagle3.export import INDEX_NAME, export_drafter, load_export, main, reshard_export
 from eagle3.model import Eagle3Drafter
-
-# About 100 kB of bf16 weights; fc.weight (64 x 144 bf16, 18,432 bytes) is the largest tensor.
 from eagle3.shape import DrafterShape
 
 # About 100 kB of bf16 weights; fc.weight (64 x 144 bf16, 18,432 bytes) is the largest tensor.
