@@ -37,10 +37,10 @@ def test_every_dependency_is_a_job_and_the_committed_recipe_is_the_documented_on
     for gpus in (1, 2):
         jobs = {j.name: j for j in build_jobs(tmp_path, False, gpus, answers=answers)}
         assert all(d in jobs for j in jobs.values() for d in j.deps + j.after)
-    cmd = jobs["long_b32_e10_g32"].cmd()
+    cmd = jobs["long_norms_ttt4_b32_e12_g32"].cmd()
     for arg in ("+experiment=smollm2_scale", "data.source=jsonl", f"data.path={answers}", "data.num_samples=0",
-                "capture.regenerate=false", "train.batch_size=32", "optim.lr=1.5e-3", "train.epochs=10",
-                "train.length_groups=32"):
+                "capture.regenerate=false", "train.batch_size=32", "optim.lr=1.5e-3", "train.epochs=12",
+                "train.length_groups=32", "train.ttt_steps=4", "drafter.fc_norm=true", "drafter.norm_output=true"):
         assert arg in cmd
     assert {"zero3_2gpu", "kimi_zero3_2gpu"} <= set(jobs)
     # each ablation is abl_base's command plus its own overrides: identical data, batch and steps
@@ -175,10 +175,11 @@ def test_a_signal_reaches_each_running_job_once_and_a_stopped_training_resumes(t
     assert cmd[-1] == "resume=true"
 
 
-def test_the_scale_experiments_defaults_are_the_committed_recipe_and_the_scale_jobs_keep_theirs(tmp_path):
+def test_the_scale_experiments_defaults_are_the_committed_recipe_and_earlier_jobs_keep_theirs(tmp_path):
     """`train.py +experiment=smollm2_scale` alone trains the committed drafter's recipe (each override
-    of long_b32_e10_g32 is already the composed value), while the scaling-curve jobs spell out their
-    one epoch of batch 16, so moving the experiment's defaults does not move the documented rows."""
+    of long_norms_ttt4_b32_e12_g32 is already the composed value), while the jobs of the documented
+    earlier rows spell out their own recipe (no norms, TTT 7; the scaling curve's one epoch of batch
+    16), so moving the experiment's defaults does not move those rows."""
     import yaml
     from reproduce_smollm2 import LONG
 
@@ -186,13 +187,18 @@ def test_the_scale_experiments_defaults_are_the_committed_recipe_and_the_scale_j
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     cfg = yaml.safe_load(p.stdout)
-    for override in LONG["long_b32_e10_g32"]:
+    for override in LONG["long_norms_ttt4_b32_e12_g32"]:
         key, value = override.split("=")
         section, name = key.split(".")
-        assert float(cfg[section][name]) == float(value), override
+        assert cfg[section][name] == yaml.safe_load(value), override
     answers = answers_file(tmp_path / "answers.jsonl")
     jobs = {j.name: j for j in build_jobs(tmp_path, True, 1, answers=answers)}      # dry: 40 answers suffice
+    plain = {"drafter.fc_norm=false", "drafter.norm_output=false", "train.ttt_steps=7"}
     for name in ("scale_8k", "scale_20k", "scale_30k"):
         cmd = jobs[name].cmd()
         # docs/results.md's scaling rows: one epoch of batch 16 at lr 1e-3, random batches
-        assert {"train.epochs=1", "train.batch_size=16", "optim.lr=1e-3", "train.length_groups=0"} <= set(cmd), name
+        assert plain | {"train.epochs=1", "train.batch_size=16", "optim.lr=1e-3", "train.length_groups=0"} <= set(cmd), name
+    for name in ("long_b128", "long_b64", "long_b64_e5", "long_b64_e10_g32", "long_b32_e10_g32", "abl_base"):
+        assert plain <= set(jobs[name].cmd()), name
+    for name in ("long_norms_b32_e10_g32", "long_norms_b32_e20_g32", "long_norms_mlp4x_b32_e10_g32"):
+        assert "train.ttt_steps=7" in jobs[name].cmd(), name
