@@ -282,8 +282,7 @@ def test_vllm_runs_every_layer_of_a_two_layer_drafter(two_layer_drafter_dir, tmp
 def test_the_committed_drafter_shows_the_layer_id_convention(tmp_path):
     """The committed GPU-trained drafter (results/smollm2-drafter) against the same weights with
     vLLM's aux ids shifted by one. vLLM reads both as written; the correct wiring must be accepted
-    more often, prompt by prompt as well as in total (docs/results.md: 19 of 20 MT-Bench prompts,
-    paired t 7.2)."""
+    more often, prompt by prompt as well as in total (docs/results.md, "Layer ids")."""
     src = ROOT / "results" / "smollm2-drafter" / "export" / "vllm"
     shifted = tmp_path / "shifted" / "vllm"
     shifted.mkdir(parents=True)
