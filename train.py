@@ -25,6 +25,8 @@ import torch
 from accelerate.utils import DistributedType
 from omegaconf import OmegaConf
 
+from capture.run import capture_features
+from capture.sglang_server import free_port
 from eagle3 import checkpoint, config as config_schema, fused
 from eagle3.batch import Prefetch
 from eagle3.export import write_export
@@ -34,14 +36,12 @@ from eagle3.losses import check_loss
 from eagle3.model import Eagle3Drafter
 from eagle3.optim import adamw, clip_grad_norm
 from eagle3.plots import plot_runs
+from eagle3.profiling import StepProfiler, phase
 from eagle3.shape import drafter_shape
 from eagle3.sources import (Data, batch_order, captures_in_process, offline_data, online_data,
                             stream_data)
 from eagle3.stream import total_steps
-from capture.run import capture_features
-from capture.sglang_server import free_port
 from eagle3.targets import load_final_norm, load_head, prepare_target
-from eagle3.profiling import StepProfiler, phase
 from eagle3.training import RATE_WINDOW, Logger, Objective, StepStats, eta_seconds, stop_if_not_finite
 from eagle3.vocab import DraftVocab, build_vocab, count_tokens
 
