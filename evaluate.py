@@ -100,6 +100,8 @@ def run_hf(e, target_dir, dtype_name, drafters, prompt_sets, tokenizer, stop, ch
                                                             stop)
     versions = {"torch": torch.__version__, "transformers": transformers.__version__,
                 "device": device, "dtype": str(dtype).replace("torch.", "")}
+    if device == "cpu":
+        versions["host_cpu"] = ev.host_cpu()
     return base, spec, versions
 
 
@@ -146,6 +148,8 @@ def run_replay(e, target_dir, dtype_name, drafters, prompt_sets, tokenizer, stop
                                                             stop)
     versions = {"torch": torch.__version__, "transformers": transformers.__version__,
                 "device": device, "dtype": str(dtype).replace("torch.", "")}
+    if device == "cpu":
+        versions["host_cpu"] = ev.host_cpu()
     return base if e.baseline else {}, spec, versions
 
 
@@ -200,8 +204,11 @@ def run_vllm(e, target_dir, dtype_name, max_model_len, drafters, prompt_sets, to
             out = with_llm(speculative_config={"method": "eagle3", "model": str(d["export"]),
                                                "num_speculative_tokens": k}, drafter=d)
             spec.update({(d["name"], name, k): st for name, st in out.items()})
-    return base, spec, {"vllm": vllm.__version__, "torch": torch.__version__,
-                        "vllm_settings": {k: v for k, v in common.items() if k != "model"}}
+    versions = {"vllm": vllm.__version__, "torch": torch.__version__,
+                "vllm_settings": {k: v for k, v in common.items() if k != "model"}}
+    if not on_gpu:
+        versions["host_cpu"] = ev.host_cpu()
+    return base, spec, versions
 
 
 def run_sglang(e, target_dir, trust_remote_code, drafters, prompt_sets, tokenizer, stop, out_dir, chains) -> tuple:

@@ -8,6 +8,7 @@ they all hand back `DecodeStats` per prompt, so tau is summed the same way whate
 from __future__ import annotations
 
 import json
+import platform
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
@@ -336,6 +337,36 @@ def sglang_counters(response: dict, num_steps: int) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------
+# The host CPU: vLLM's CPU kernels (attention and oneDNN's GEMMs) take a different path on AMX,
+# AVX-512 and AVX2, so bf16 rounding, greedy text and tau differ between hosts with different
+# instruction sets, while repeated runs on one host agree token for token.
+
+CPU_ISAS = (("amx_bf16", "AMX"), ("avx512_bf16", "AVX512-BF16"), ("avx512f", "AVX512"), ("avx2", "AVX2"))
+
+
+def cpu_isa(flags) -> str:
+    """The widest matrix instruction set in /proc/cpuinfo's flags, as vLLM's CPU kernels choose."""
+    flags = set(flags)
+    return next((name for flag, name in CPU_ISAS if flag in flags), platform.machine() or "unknown")
+
+
+def host_cpu(cpuinfo: Optional[str] = None) -> dict:
+    """{"model": CPU model name, "isa": cpu_isa(flags)} of this host (Linux's /proc/cpuinfo)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    fields = {}
+    for line in cpuinfo.splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            fields.setdefault(key.strip(), value.strip())
+    return {"model": fields.get("model name") or platform.processor() or "unknown",
+            "isa": cpu_isa(fields.get("flags", "").split())}
+
+
+# ----------------------------------------------------------------------------------------------
 # report.json and report.md (the figures are eagle3/plots.py's)
 
 def write_report(out_dir: Path, rows: List[dict], settings: dict, versions: dict,
@@ -359,7 +390,8 @@ def write_report(out_dir: Path, rows: List[dict], settings: dict, versions: dict
         if png is not None:
             paths[key] = png
     figures = [p for k, p in paths.items() if k.endswith("_png")]
-    paths["md"].write_text(markdown_report(rows, settings, production_baseline_tok_s, comparisons, figures))
+    paths["md"].write_text(markdown_report(rows, settings, production_baseline_tok_s, comparisons, figures,
+                                           versions.get("host_cpu")))
     return paths
 
 
@@ -368,9 +400,10 @@ def _f(x, fmt="{:.2f}") -> str:
 
 
 def markdown_report(rows: Sequence[dict], settings: dict, production_baseline_tok_s=None,
-                    comparisons: Sequence[dict] = (), figures: Sequence[Path] = ()) -> str:
-    """The settings, then one section per chain length: the table, tau per category, the paired
-    comparison; then the figures."""
+                    comparisons: Sequence[dict] = (), figures: Sequence[Path] = (),
+                    host_cpu: Optional[dict] = None) -> str:
+    """The settings (and the host CPU where the decoding ran on it), then one section per chain
+    length: the table, tau per category, the paired comparison; then the figures."""
     s = settings
     lines = [f"# Drafter evaluation ({s.get('backend')}, target {s.get('target')})", "",
              f"greedy, topk {s.get('topk')}, max {s.get('max_new_tokens')} new tokens, batch 1, prompts: "
@@ -378,6 +411,9 @@ def markdown_report(rows: Sequence[dict], settings: dict, production_baseline_to
              + ". tau = tokens per target verify step "
              f"incl. the bonus token ({rows[0]['tau_rule'] if rows else ''} rule); [a, b] = 95% bootstrap "
              f"interval over prompts.", ""]
+    if host_cpu:
+        lines += [f"Decoded on the host CPU: {host_cpu['model']} ({host_cpu['isa']}). Greedy text, and so tau, "
+                  f"repeats exactly on hosts with the same instruction set; compare drafters inside one run.", ""]
     prod = " | production baseline tok/s" if production_baseline_tok_s else ""
     by_key = {(r["drafter"], r["prompts"], r["num_steps"]): r for r in rows}
     for steps in dict.fromkeys(r["num_steps"] for r in rows):

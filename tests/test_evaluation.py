@@ -240,6 +240,43 @@ def test_report_files(tmp_path):
         assert f"({paths[k].name})" in md
 
 
+CPUINFO = """processor\t: 0
+vendor_id\t: GenuineIntel
+model name\t: Intel(R) Xeon(R) Platinum 8480+
+flags\t\t: fpu sse2 avx2 avx512f avx512_bf16 amx_bf16 amx_tile
+
+processor\t: 1
+model name\t: Intel(R) Xeon(R) Platinum 8480+
+flags\t\t: fpu sse2 avx2 avx512f avx512_bf16 amx_bf16 amx_tile
+"""
+
+
+def test_host_cpu_names_the_widest_instruction_set():
+    assert ev.host_cpu(CPUINFO) == {"model": "Intel(R) Xeon(R) Platinum 8480+", "isa": "AMX"}
+    no_amx = CPUINFO.replace(" amx_bf16 amx_tile", "").replace("Platinum 8480+", "Gold 6338")
+    assert ev.host_cpu(no_amx) == {"model": "Intel(R) Xeon(R) Gold 6338", "isa": "AVX512-BF16"}
+    assert ev.cpu_isa("fpu avx2 avx512f".split()) == "AVX512"
+    assert ev.cpu_isa("fpu sse2 avx2".split()) == "AVX2"
+
+
+def test_host_cpu_agrees_with_torch_on_amx():
+    """torch's own probe (cpuid, not /proc/cpuinfo) is the independent check of this host."""
+    assert (ev.host_cpu()["isa"] == "AMX") == torch.cpu._is_amx_tile_supported()
+
+
+def test_report_names_the_host_cpu(tmp_path):
+    row = {"drafter": "d", "drafter_path": "/x", "prompts": "mt_bench", "tau": 2.0, "tau_rule": "vllm",
+           "accept_per_position": [0.5, 0.3, 0.2], "num_drafts": 10, "num_accepted": 10, "tok_s": 20.0,
+           "baseline_tok_s": 14.0, "speedup": 20 / 14, "mismatches": [], "tau_ci95": [1.9, 2.1], "per_category": {},
+           "num_steps": 3}
+    settings = {"backend": "vllm", "target": "smollm2", "num_steps": 3, "topk": 1, "max_new_tokens": 64}
+    host = ev.host_cpu(CPUINFO)
+    paths = ev.write_report(tmp_path, [row], settings, {"vllm": "0.32.0", "host_cpu": host})
+    assert json.loads(paths["json"].read_text())["versions"]["host_cpu"] == host
+    assert "Decoded on the host CPU: Intel(R) Xeon(R) Platinum 8480+ (AMX)." in paths["md"].read_text()
+    assert "host CPU" not in ev.markdown_report([row], settings)
+
+
 # ---------------------------------------------------------------------------------------------
 # end to end: python evaluate.py on a tiny random target, hf backend
 
