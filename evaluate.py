@@ -312,7 +312,7 @@ def prepare_drafters(paths: List[str], backend: str, info) -> List[dict]:
         while name in names:
             name += "'"
         names.add(name)
-        out.append({"name": name, "path": str(path), "export": export, "aux_layers": aux})
+        out.append({"name": name, "path": str(path), "export": export, "aux_layers": aux, "t2d": tensors.get("t2d")})
     return out
 
 
@@ -373,6 +373,7 @@ def evaluate(c: Config) -> Dict[str, Path]:
                 j = judged[(d["name"], name, k)]
                 rows.append({"drafter": d["name"], "drafter_path": str(d["export"]), "prompts": name, "num_steps": k,
                              "aux_layers": d["aux_layers"], "engine_aux_layers": d.get("engine_aux_layers"), **row,
+                             "draftable": ev.draftable(spec[(d["name"], name, k)], d["t2d"]),
                              "tau_ci95": j["tau_ci95"], "per_category": j["per_category"]})
                 for m in row["mismatches"]:
                     print(f"MISMATCH {d['name']} / {name} / chain {k}: prompt {m['prompt_id']} turn {m['turn']} "

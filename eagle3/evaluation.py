@@ -267,6 +267,20 @@ def summarize(spec: Sequence[DecodeStats], base: Sequence[DecodeStats], tau_rule
     }
 
 
+def draftable(spec: Sequence[DecodeStats], t2d=None) -> float:
+    """The share of the output tokens a drafter could have drafted: those inside its draft vocab
+    (t2d [V] bool; None: the whole vocab), each turn's first token left out (the prefill makes it).
+    Position j of a chain is accepted at most this often; a drafter cut to a vocab fitted on other
+    text loses here before it drafts anything."""
+    toks = [t for s in spec for turn in s.output_ids for t in turn[1:]]
+    if not toks:
+        return 0.0
+    if t2d is None:
+        return 1.0
+    inside = [t for t in toks if 0 <= t < len(t2d) and bool(t2d[t])]
+    return len(inside) / len(toks)
+
+
 def find_mismatches(spec: Sequence[DecodeStats], base: Sequence[DecodeStats]) -> List[dict]:
     """Prompts whose speculative output differs from the plain decode (greedy must be identical)."""
     by_id = {b.prompt_id: b for b in base}
@@ -410,7 +424,8 @@ def markdown_report(rows: Sequence[dict], settings: dict, production_baseline_to
              + ", ".join(f"{p} {n}" for p, n in dict.fromkeys((r["prompts"], r.get("num_prompts")) for r in rows))
              + ". tau = tokens per target verify step "
              f"incl. the bonus token ({rows[0]['tau_rule'] if rows else ''} rule); [a, b] = 95% bootstrap "
-             f"interval over prompts.", ""]
+             f"interval over prompts. draftable = share of the output tokens inside the drafter's draft vocab "
+             f"(no chain position is accepted more often).", ""]
     if host_cpu:
         lines += [f"Decoded on the host CPU: {host_cpu['model']} ({host_cpu['isa']}). Greedy text, and so tau, "
                   f"repeats exactly on hosts with the same instruction set; compare drafters inside one run.", ""]
@@ -418,9 +433,9 @@ def markdown_report(rows: Sequence[dict], settings: dict, production_baseline_to
     by_key = {(r["drafter"], r["prompts"], r["num_steps"]): r for r in rows}
     for steps in dict.fromkeys(r["num_steps"] for r in rows):
         lines += [f"## Chain of {steps} draft tokens (tau at most {steps + 1})", "",
-                  "| drafter | prompts | tau | accept per position | drafts | accepted | tok/s | "
+                  "| drafter | prompts | tau | accept per position | draftable | drafts | accepted | tok/s | "
                   f"baseline tok/s{prod} | speedup | mismatches |",
-                  "|" + "---|" * (10 + bool(production_baseline_tok_s))]
+                  "|" + "---|" * (11 + bool(production_baseline_tok_s))]
         for r in rows:
             if r["num_steps"] != steps:
                 continue
@@ -428,7 +443,8 @@ def markdown_report(rows: Sequence[dict], settings: dict, production_baseline_to
             prod = f" | {production_baseline_tok_s:g}" if production_baseline_tok_s else ""
             mism = ", ".join(f"{m['prompt_id']}@{m['first_diff']}" for m in r["mismatches"]) or "0"
             tau = _f(r["tau"]) + (f" [{r['tau_ci95'][0]:.2f}, {r['tau_ci95'][1]:.2f}]" if r.get("tau_ci95") else "")
-            lines.append(f"| {r['drafter']} | {r['prompts']} | {tau} | {acc} | {r['num_drafts']} | "
+            lines.append(f"| {r['drafter']} | {r['prompts']} | {tau} | {acc} | {_f(r.get('draftable'), '{:.1%}')} | "
+                         f"{r['num_drafts']} | "
                          f"{r['num_accepted']} | {_f(r['tok_s'], '{:.1f}')} | {_f(r['baseline_tok_s'], '{:.1f}')}"
                          f"{prod} | {_f(r['speedup'], '{:.2f}x')} | {mism} |")
         lines.append("")

@@ -210,6 +210,16 @@ def test_summarize_vllm_rule_and_mismatch_report():
     assert row["mismatches"] == [{"prompt_id": "b", "turn": 1, "first_diff": 1, "spec_len": 3, "baseline_len": 3}]
 
 
+def test_draftable_counts_the_output_tokens_inside_the_draft_vocab():
+    spec = [ev.DecodeStats("a", [[5, 1, 2, 3], [7, 9]], 1.0), ev.DecodeStats("b", [[4, 6]], 1.0)]
+    t2d = torch.zeros(10, dtype=torch.bool)
+    t2d[[1, 2, 9]] = True
+    # each turn's first token is the prefill's: 1 2 3 | 9 | 6 are the draftable candidates, 1 2 9 inside
+    assert ev.draftable(spec, t2d) == pytest.approx(3 / 5)
+    assert ev.draftable(spec, None) == 1.0
+    assert ev.draftable([ev.DecodeStats("c", [[8]], 1.0)], t2d) == 0.0
+
+
 def test_report_files(tmp_path):
     rows = []
     for d, tau in (("trained", 2.1), ("untrained", 1.0)):
@@ -268,12 +278,13 @@ def test_report_names_the_host_cpu(tmp_path):
     row = {"drafter": "d", "drafter_path": "/x", "prompts": "mt_bench", "tau": 2.0, "tau_rule": "vllm",
            "accept_per_position": [0.5, 0.3, 0.2], "num_drafts": 10, "num_accepted": 10, "tok_s": 20.0,
            "baseline_tok_s": 14.0, "speedup": 20 / 14, "mismatches": [], "tau_ci95": [1.9, 2.1], "per_category": {},
-           "num_steps": 3}
+           "num_steps": 3, "draftable": 0.875}
     settings = {"backend": "vllm", "target": "smollm2", "num_steps": 3, "topk": 1, "max_new_tokens": 64}
     host = ev.host_cpu(CPUINFO)
     paths = ev.write_report(tmp_path, [row], settings, {"vllm": "0.32.0", "host_cpu": host})
     assert json.loads(paths["json"].read_text())["versions"]["host_cpu"] == host
     assert "Decoded on the host CPU: Intel(R) Xeon(R) Platinum 8480+ (AMX)." in paths["md"].read_text()
+    assert "| d | mt_bench | 2.00 [1.90, 2.10] | 0.500 / 0.300 / 0.200 | 87.5% | 10 |" in paths["md"].read_text()
     assert "host CPU" not in ev.markdown_report([row], settings)
 
 
