@@ -29,7 +29,7 @@ from capture.run import capture_features
 from capture.sglang_server import free_port
 from eagle3 import checkpoint, config as config_schema, fused
 from eagle3.batch import Prefetch
-from eagle3.export import write_export
+from eagle3.export import warm_start, write_export
 from eagle3.features import check_draft_vocab
 from eagle3.loss import CountedRows, TTTOutput, batch_teacher, unigram_correct
 from eagle3.losses import check_loss
@@ -305,6 +305,12 @@ def build_drafter(c, target, vocab: DraftVocab, bf16_params: bool):
         with torch.no_grad():
             drafter.lm_head.weight.copy_(lm_head[vocab.draft_ids])
             drafter.norm.weight.copy_(load_final_norm(target.dir))
+    if c.drafter.init_from:
+        if c.drafter.head_from_target:
+            raise ValueError("drafter.init_from and drafter.head_from_target both set the head: choose one")
+        got = warm_start(drafter, Path(c.drafter.init_from), vocab, lm_head, target)
+        print(f"[train] drafter from {got['from']}: {got['kept_rows']} lm_head rows kept, "
+              f"{got['mapped_rows']} mapped from the target's head")
     if bf16_params:
         # bf16 parameters, their fp32 masters in the optimizer's state (eagle3/optim.py): the
         # forward reads the weights as they are and the gradients stay bf16 up to the step.

@@ -78,6 +78,9 @@ class DrafterConfig:
     head_dim: int = 0
     draft_vocab_size: int = 32000             # capped at the target vocab
     head_from_target: bool = False            # start lm_head (the draft-vocab rows) and norm from the target's
+    # start from a trained drafter's export or run dir (same target, shape and aux layers; its draft
+    # vocab may differ: rows it lacks are mapped from the target's head, eagle3.vocab.mapped_rows)
+    init_from: str = ""
     fc_norm: bool = False                     # EAGLE-3.1: an RMSNorm on each aux state before fc
     norm_output: bool = False                 # EAGLE-3.1: the next draft step reads the normed hidden
     num_layers: int = 1                       # decoder layers: EAGLE-3's, then plain Llama layers (eagle3/model.py)

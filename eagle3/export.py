@@ -39,7 +39,7 @@ from eagle3.engine_ids import engine_aux_ids
 from eagle3.model import Eagle3Drafter
 from eagle3.shape import DrafterShape, drafter_shape
 from eagle3.targets import Target, prepare_target
-from eagle3.vocab import DraftVocab
+from eagle3.vocab import DraftVocab, mapped_rows
 
 ENGINES = ("sglang", "vllm")
 INDEX_NAME = "model.safetensors.index.json"
@@ -281,6 +281,43 @@ def find_export(path: Path, engine: str) -> Path:
         return candidate
     raise FileNotFoundError(f"{path}: neither an export dir (config.json) nor a run dir with "
                             f"export/{engine}/config.json; train first or pass the export directory")
+
+
+def warm_start(drafter: Eagle3Drafter, path: Path, vocab: DraftVocab, target_lm_head: torch.Tensor,
+               target: Target) -> dict:
+    """Load a trained drafter's export (or run dir) into a fresh one of the same shape, to train on
+    (drafter.init_from). Its draft vocab may differ from this run's: rows of tokens both hold are
+    copied, the rest come from the target's head through eagle3.vocab.mapped_rows. Refuses, naming
+    every difference, an export for another target, other aux layers or another shape.
+    -> {"from": export dir, "kept_rows": n, "mapped_rows": m}."""
+    import dataclasses
+
+    from eagle3.evaluation import check_drafter_fits
+    export = find_export(Path(path).expanduser(), "vllm")
+    tensors, cfg = load_export(export)
+    where = f"drafter.init_from {export}"
+    aux = check_drafter_fits(cfg, target.info, tensors, engine="vllm", where=where)
+    theirs, ours = DrafterShape.from_hf_config(cfg), drafter.shape
+    diffs = [f"aux layers {aux} (this run: {list(target.aux_layers)})"] if aux != list(target.aux_layers) else []
+    for f in dataclasses.fields(DrafterShape):
+        a, b = getattr(theirs, f.name), getattr(ours, f.name)
+        same = abs(a - b) <= 1e-6 * abs(b) if isinstance(b, float) else a == b
+        if f.name != "draft_vocab_size" and not same:
+            diffs.append(f"{f.name} {a} (this run: {b})")
+    if diffs:
+        raise ValueError(f"{where} has another shape than this run's drafter: " + "; ".join(diffs)
+                         + ". Set the drafter options to the export's (its config.json) or leave init_from empty.")
+    old_ids = tensors["d2t"].long() + torch.arange(tensors["d2t"].numel())
+    state = {k: v for k, v in tensors.items() if k not in ("d2t", "t2d", "lm_head.weight")}
+    state["embed_tokens.weight"] = drafter.embed_tokens.weight.detach()
+    state["lm_head.weight"] = mapped_rows(tensors["lm_head.weight"], old_ids, vocab.draft_ids.cpu(), target_lm_head)
+    with torch.no_grad():
+        missing, unexpected = drafter.load_state_dict(
+            {k: v.to(drafter.embed_tokens.weight.dtype) for k, v in state.items()}, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{where}: weights do not match the drafter (missing {missing}, unexpected {unexpected})")
+    kept = int(torch.isin(vocab.draft_ids.cpu(), old_ids).sum())
+    return {"from": str(export), "kept_rows": kept, "mapped_rows": vocab.size - kept}
 
 
 def write_export(run_dir: Path, model_state: Dict[str, torch.Tensor], shape: DrafterShape, vocab: DraftVocab,

@@ -124,3 +124,26 @@ def coverage_curve(counts: torch.Tensor, sizes: Sequence[int]) -> List[Tuple[int
         covered = int(cumulative[n - 1]) if n > 0 else 0
         out.append((int(size), covered / total if total else 0.0))
     return out
+
+
+def mapped_rows(rows: torch.Tensor, row_ids: torch.Tensor, new_ids: torch.Tensor, target_head: torch.Tensor,
+                ridge: float = 1e-4) -> torch.Tensor:
+    """A draft head for the draft vocab new_ids [Vd'] from one trained over row_ids [Vd] (rows [Vd, H]):
+    the rows of tokens both vocabs hold are copied; every other row is the target's head row of its
+    token carried by the one linear map A that best carries the target's rows of row_ids onto the
+    trained rows (ridge least squares, rows ~ target_head[row_ids] @ A.T; ridge is relative to the
+    mean of diag(X^T X)). -> [Vd', H] fp32.
+
+    The target's head already places every token in its own output space; A translates that space
+    into the drafter's, so a token the drafter never drafted starts where its neighbours are."""
+    X = target_head[row_ids.long()].float()
+    Y = rows.float()
+    gram = X.T @ X
+    lam = ridge * float(gram.diagonal().mean())
+    A = torch.linalg.solve(gram + lam * torch.eye(gram.shape[0], dtype=gram.dtype), X.T @ Y).T   # [H, Ht]
+    out = target_head[new_ids.long()].float() @ A.T
+    where = torch.full((target_head.shape[0],), -1, dtype=torch.long)
+    where[row_ids.long()] = torch.arange(row_ids.numel())
+    old = where[new_ids.long()]
+    out[old >= 0] = Y[old[old >= 0]]
+    return out

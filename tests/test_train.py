@@ -83,6 +83,39 @@ def test_head_from_target_starts_the_drafter_in_the_targets_output_space(tiny_ru
     assert not torch.allclose(t["lm_head.weight"].float(), head[:len(target_ids)].float(), **close)
 
 
+def test_init_from_starts_at_a_trained_drafter_and_maps_a_larger_vocab(tiny_run, tmp_path):
+    """drafter.init_from with lr 0: the export is the source drafter's weights; of its lm_head over
+    a larger draft vocab the source's tokens keep their rows and the others are the target's head
+    rows through the map fitted on those (eagle3.vocab.mapped_rows). Another shape is refused."""
+    from eagle3.export import load_export
+    from eagle3.targets import load_head, resolve_target
+    from eagle3.vocab import mapped_rows
+
+    p = run_train("+experiment=tiny", f"run_dir={tmp_path}/more", f"data.features_dir={tiny_run}/features",
+                  "train.steps=1", "optim.lr=0", "optim.weight_decay=0", "drafter.draft_vocab_size=3000",
+                  f"drafter.init_from={tiny_run}/run")
+    assert "2048 lm_head rows kept, 952 mapped from the target's head" in p.stdout
+    src, _ = load_export(tiny_run / "run" / "export" / "vllm")
+    got, cfg = load_export(tmp_path / "more" / "export" / "vllm")
+    assert cfg["draft_vocab_size"] == 3000
+    for k in src:
+        if k not in ("lm_head.weight", "d2t", "t2d"):
+            assert torch.equal(got[k], src[k]), k
+    tc = OmegaConf.load(tmp_path / "more" / "config.yaml").target
+    _, head = load_head(resolve_target(tc.source, tc.path, tc.name, tc.arch, dict(tc.random_config), tc.seed))
+    src_ids, new_ids = (t["d2t"] + torch.arange(len(t["d2t"])) for t in (src, got))
+    assert torch.isin(src_ids, new_ids).all()
+    shared = torch.isin(new_ids, src_ids)
+    src_row = {int(t): i for i, t in enumerate(src_ids)}
+    assert torch.equal(got["lm_head.weight"][shared], src["lm_head.weight"][[src_row[int(t)] for t in new_ids[shared]]])
+    want = mapped_rows(src["lm_head.weight"], src_ids, new_ids, head)
+    torch.testing.assert_close(got["lm_head.weight"].float(), want, rtol=1e-2, atol=1e-5)   # the export is bf16
+
+    bad = run_train("+experiment=tiny", f"run_dir={tmp_path}/bad", f"data.features_dir={tiny_run}/features",
+                    "train.steps=1", "drafter.intermediate_size=96", f"drafter.init_from={tiny_run}/run", check=False)
+    assert bad.returncode != 0 and "intermediate_size 128 (this run: 96)" in bad.stderr
+
+
 def test_prefetching_the_next_steps_batches_trains_exactly_as_building_them_in_line(tiny_run, tmp_path):
     """The tiny run built each step's batches on the prefetch worker (train.prefetch, on by default);
     built in line, every step's loss, accuracy and the held-out rows (which wait for the worker) are

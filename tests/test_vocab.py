@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from eagle3.vocab import DraftVocab, build_vocab, count_tokens, coverage_curve
+from eagle3.vocab import DraftVocab, build_vocab, count_tokens, coverage_curve, mapped_rows
 
 
 def test_count_tokens_counts_only_assistant_tokens():
@@ -67,3 +67,28 @@ def test_coverage_curve():
         (1, 0.6), (2, 0.9), (3, 1.0), (4, 1.0), (8, 1.0)]
     for size, cov in coverage_curve(counts, [1, 2, 3]):
         assert build_vocab(counts, size).coverage == pytest.approx(cov)
+
+
+def test_mapped_rows_copies_shared_tokens_and_maps_the_rest_by_ridge_least_squares():
+    """Against numpy: ridge least squares as an ordinary one on the system stacked with sqrt(lam) I."""
+    import numpy as np
+    g = torch.Generator().manual_seed(0)
+    V, Ht, H = 50, 6, 4
+    head = torch.randn(V, Ht, generator=g, dtype=torch.float64)
+    row_ids = torch.tensor([1, 4, 7, 9, 12, 20, 21, 30, 33, 40])
+    rows = torch.randn(len(row_ids), H, generator=g, dtype=torch.float64)
+    new_ids = torch.tensor([0, 4, 9, 15, 21, 44])
+    out = mapped_rows(rows, row_ids, new_ids, head, ridge=0.1)
+    X, Y = head[row_ids].numpy(), rows.numpy()
+    lam = 0.1 * np.mean(np.diag(X.T @ X))
+    A_t = np.linalg.lstsq(np.vstack([X, np.sqrt(lam) * np.eye(Ht)]), np.vstack([Y, np.zeros((Ht, H))]), rcond=None)[0]
+    want = head[new_ids].numpy() @ A_t
+    for i, t in enumerate(new_ids.tolist()):
+        if t in row_ids.tolist():
+            want[i] = Y[row_ids.tolist().index(t)]
+    np.testing.assert_allclose(out.numpy(), want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(out[1], rows[1].float()) and out.dtype == torch.float32
+    # a target head that is the trained rows through a map: the map is found again (ridge -> 0)
+    A = torch.randn(H, Ht, generator=g, dtype=torch.float64)
+    exact = mapped_rows(head[row_ids] @ A.T, row_ids, new_ids, head, ridge=1e-12)
+    torch.testing.assert_close(exact, (head[new_ids] @ A.T).float(), rtol=1e-4, atol=1e-5)
