@@ -61,6 +61,10 @@ def lr_at(step: int, total: int, peak: float, warmup_fraction: float, min_fracti
 def main(cfg) -> None:
     c = config_schema.to_config(cfg)
     check_loss(c.train.loss)
+    for key in ("log_every", "eval_every", "save_every"):
+        if getattr(c.train, key) < 1:
+            raise ValueError(f"train.{key}={getattr(c.train, key)}: a number of steps, at least 1 "
+                             f"(a value past train.steps acts only at the last step)")
     if c.train.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")   # before cuBLAS starts: its deterministic mode
         torch.use_deterministic_algorithms(True)

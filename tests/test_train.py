@@ -238,6 +238,12 @@ def test_typo_fails_at_startup():
     assert p.returncode != 0 and "stpes" in p.stderr
 
 
+def test_a_step_interval_below_one_fails_at_startup(tmp_path):
+    p = run_train("+experiment=tiny", f"run_dir={tmp_path}/r", "train.eval_every=0", check=False)
+    assert p.returncode != 0 and "train.eval_every=0: a number of steps, at least 1" in p.stderr
+    assert not (tmp_path / "r" / "metrics.jsonl").exists()
+
+
 def test_train_loss_reaches_the_objective(tiny_run, tmp_path):
     """train.loss=kl differs from soft_ce only by the teacher's entropy, a constant: the same
     accuracies step for step, a lower loss; tv is 1 - acceptance per step, so within [0, sum of step
