@@ -283,6 +283,21 @@ def find_export(path: Path, engine: str) -> Path:
                             f"export/{engine}/config.json; train first or pass the export directory")
 
 
+def load_export_weights(drafter: Eagle3Drafter, tensors: Dict[str, torch.Tensor], embed: torch.Tensor,
+                        where: str, replace: Dict[str, torch.Tensor] | None = None) -> None:
+    """An export's tensors (load_export) into `drafter`, in the drafter's dtype. Exports carry no
+    embedding table (the engines embed with the target's), so `embed` supplies it; `replace` swaps
+    tensors by name (a remapped lm_head). Refuses, naming them, weights that do not match."""
+    state = {k: v for k, v in tensors.items() if k not in ("d2t", "t2d")}
+    state.update(replace or {})
+    state["embed_tokens.weight"] = embed
+    dtype = next(drafter.parameters()).dtype
+    with torch.no_grad():
+        missing, unexpected = drafter.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{where}: weights do not match the drafter (missing {missing}, unexpected {unexpected})")
+
+
 def warm_start(drafter: Eagle3Drafter, path: Path, vocab: DraftVocab, target_lm_head: torch.Tensor,
                target: Target) -> dict:
     """Load a trained drafter's export (or run dir) into a fresh one of the same shape, to train on
@@ -307,15 +322,10 @@ def warm_start(drafter: Eagle3Drafter, path: Path, vocab: DraftVocab, target_lm_
     if diffs:
         raise ValueError(f"{where} has another shape than this run's drafter: " + "; ".join(diffs)
                          + ". Set the drafter options to the export's (its config.json) or leave init_from empty.")
-    old_ids = tensors["d2t"].long() + torch.arange(tensors["d2t"].numel())
-    state = {k: v for k, v in tensors.items() if k not in ("d2t", "t2d", "lm_head.weight")}
-    state["embed_tokens.weight"] = drafter.embed_tokens.weight.detach()
-    state["lm_head.weight"] = mapped_rows(tensors["lm_head.weight"], old_ids, vocab.draft_ids.cpu(), target_lm_head)
-    with torch.no_grad():
-        missing, unexpected = drafter.load_state_dict(
-            {k: v.to(drafter.embed_tokens.weight.dtype) for k, v in state.items()}, strict=False)
-    if missing or unexpected:
-        raise ValueError(f"{where}: weights do not match the drafter (missing {missing}, unexpected {unexpected})")
+    old_ids = DraftVocab(tensors["d2t"].long(), tensors["t2d"]).draft_ids
+    head = mapped_rows(tensors["lm_head.weight"], old_ids, vocab.draft_ids.cpu(), target_lm_head)
+    load_export_weights(drafter, tensors, drafter.embed_tokens.weight.detach(), where,
+                        replace={"lm_head.weight": head})
     kept = int(torch.isin(vocab.draft_ids.cpu(), old_ids).sum())
     return {"from": str(export), "kept_rows": kept, "mapped_rows": vocab.size - kept}
 

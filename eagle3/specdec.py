@@ -91,15 +91,10 @@ def load_hf_drafter(export_dir, target_model, device: str = "cpu",
                     dtype: torch.dtype = torch.float32) -> Eagle3ChainDrafter:
     """An export directory (config.json + model.safetensors) as a ChainDrafter that embeds tokens
     with the target's own embedding table, as the engines do."""
-    from eagle3.export import load_export
+    from eagle3.export import load_export, load_export_weights
     tensors, cfg = load_export(export_dir)
     model = Eagle3Drafter(DrafterShape.from_hf_config(cfg))
-    weights = {k: v for k, v in tensors.items() if k not in ("d2t", "t2d")}
-    weights["embed_tokens.weight"] = target_model.get_input_embeddings().weight.detach()
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    if missing or unexpected:
-        raise ValueError(f"{export_dir}: drafter weights do not match the architecture "
-                         f"(missing {missing}, unexpected {unexpected})")
+    load_export_weights(model, tensors, target_model.get_input_embeddings().weight.detach(), str(export_dir))
     model.to(device=device, dtype=dtype).eval()
     return Eagle3ChainDrafter(model, tensors["d2t"].to(device))
 

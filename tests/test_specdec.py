@@ -231,3 +231,20 @@ def test_load_hf_drafter_from_export_proposes_as_the_model(tmp_path):
     a = spec_decode(model, ra, p, AUX, 3, 16, [])
     b = spec_decode(model, rb, p, AUX, 3, 16, [])
     assert a[0] == b[0] and a[1] == b[1] and ra.log == rb.log and ra.log
+
+
+def test_load_hf_drafter_refuses_an_export_whose_tensors_do_not_match(tmp_path):
+    """A renamed tensor would otherwise leave its parameter at its initial values without a word."""
+    from safetensors.torch import load_file, save_file
+    model = tiny_llama()
+    drafter, d2t = random_drafter(model, vd=V // 4)
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[d2t + torch.arange(d2t.numel())] = True
+    dirs = export_drafter(tmp_path, drafter.exportable_state_dict(), drafter.shape, d2t, t2d, AUX, ["LlamaForCausalLM"],
+                          engines=("vllm",))
+    f = dirs["vllm"] / "model.safetensors"
+    tensors = load_file(f)
+    tensors["fc.weight_renamed"] = tensors.pop("fc.weight")
+    save_file(tensors, f)
+    with pytest.raises(ValueError, match=r"missing \['fc.weight'\], unexpected \['fc.weight_renamed'\]"):
+        load_hf_drafter(dirs["vllm"], model)
