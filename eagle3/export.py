@@ -285,9 +285,10 @@ def find_export(path: Path, engine: str) -> Path:
 
 def load_export_weights(drafter: Eagle3Drafter, tensors: Dict[str, torch.Tensor], embed: torch.Tensor,
                         where: str, replace: Dict[str, torch.Tensor] | None = None) -> None:
-    """An export's tensors (load_export) into `drafter`, in the drafter's dtype. Exports carry no
-    embedding table (the engines embed with the target's), so `embed` supplies it; `replace` swaps
-    tensors by name (a remapped lm_head). Refuses, naming them, weights that do not match."""
+    """Copy the tensors of an export, as load_export returns them, into `drafter` in its dtype. An
+    export holds no embedding table (the engines embed with the target's), so `embed` supplies it;
+    `replace` swaps tensors by name (a remapped lm_head). Weights whose names do not match are
+    refused, each named."""
     state = {k: v for k, v in tensors.items() if k not in ("d2t", "t2d")}
     state.update(replace or {})
     state["embed_tokens.weight"] = embed
@@ -322,11 +323,11 @@ def warm_start(drafter: Eagle3Drafter, path: Path, vocab: DraftVocab, target_lm_
     if diffs:
         raise ValueError(f"{where} has another shape than this run's drafter: " + "; ".join(diffs)
                          + ". Set the drafter options to the export's (its config.json) or leave init_from empty.")
-    old_ids = DraftVocab(tensors["d2t"].long(), tensors["t2d"]).draft_ids
-    head = mapped_rows(tensors["lm_head.weight"], old_ids, vocab.draft_ids.cpu(), target_lm_head)
+    old_ids, new_ids = DraftVocab(tensors["d2t"].long(), tensors["t2d"]).draft_ids, vocab.draft_ids.cpu()
+    head = mapped_rows(tensors["lm_head.weight"], old_ids, new_ids, target_lm_head)
     load_export_weights(drafter, tensors, drafter.embed_tokens.weight.detach(), where,
                         replace={"lm_head.weight": head})
-    kept = int(torch.isin(vocab.draft_ids.cpu(), old_ids).sum())
+    kept = int(torch.isin(new_ids, old_ids).sum())
     return {"from": str(export), "kept_rows": kept, "mapped_rows": vocab.size - kept}
 
 

@@ -216,16 +216,21 @@ def test_aux_rows_are_the_entering_layer_hidden_states():
         torch.testing.assert_close(row, want[pos], atol=1e-4, rtol=1e-4)
 
 
+def _export_vllm(tmp_path, drafter, d2t):
+    """The drafter's vLLM export directory, its t2d marking the draft ids."""
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[d2t + torch.arange(d2t.numel())] = True
+    dirs = export_drafter(tmp_path, drafter.exportable_state_dict(), drafter.shape, d2t, t2d, AUX, ["LlamaForCausalLM"],
+                          engines=("vllm",))
+    return dirs["vllm"]
+
+
 def test_load_hf_drafter_from_export_proposes_as_the_model(tmp_path):
     model = tiny_llama()
     drafter, d2t = random_drafter(model, vd=V // 4)
     for prm in drafter.parameters():             # exact in bf16, so the export round trip is lossless
         prm.data = prm.data.to(torch.bfloat16).float()
-    t2d = torch.zeros(V, dtype=torch.bool)
-    t2d[d2t + torch.arange(d2t.numel())] = True
-    dirs = export_drafter(tmp_path, drafter.exportable_state_dict(), drafter.shape, d2t, t2d, AUX, ["LlamaForCausalLM"],
-                          engines=("vllm",))
-    loaded = load_hf_drafter(dirs["vllm"], model)
+    loaded = load_hf_drafter(_export_vllm(tmp_path, drafter, d2t), model)
     p = prompts(1, seed=9)[0]
     ra, rb = Recorder(Eagle3ChainDrafter(drafter, d2t)), Recorder(loaded)
     a = spec_decode(model, ra, p, AUX, 3, 16, [])
@@ -237,14 +242,10 @@ def test_load_hf_drafter_refuses_an_export_whose_tensors_do_not_match(tmp_path):
     """A renamed tensor would otherwise leave its parameter at its initial values without a word."""
     from safetensors.torch import load_file, save_file
     model = tiny_llama()
-    drafter, d2t = random_drafter(model, vd=V // 4)
-    t2d = torch.zeros(V, dtype=torch.bool)
-    t2d[d2t + torch.arange(d2t.numel())] = True
-    dirs = export_drafter(tmp_path, drafter.exportable_state_dict(), drafter.shape, d2t, t2d, AUX, ["LlamaForCausalLM"],
-                          engines=("vllm",))
-    f = dirs["vllm"] / "model.safetensors"
+    export = _export_vllm(tmp_path, *random_drafter(model, vd=V // 4))
+    f = export / "model.safetensors"
     tensors = load_file(f)
     tensors["fc.weight_renamed"] = tensors.pop("fc.weight")
     save_file(tensors, f)
     with pytest.raises(ValueError, match=r"missing \['fc.weight'\], unexpected \['fc.weight_renamed'\]"):
-        load_hf_drafter(dirs["vllm"], model)
+        load_hf_drafter(export, model)
