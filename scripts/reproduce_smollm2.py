@@ -17,7 +17,8 @@ its run directory WORK/runs/NAME:
                    and our changes to it (lr, TTT 1, the original ShareGPT answers)
     scale_*        one epoch over the first conversations holding 8k / 20k / 30k / 55k prompts;
                    scale_55k_warm: lm_head and norm started from the target's
-    long_*         several epochs over all answers; long_b32_e10_g32 is the committed drafter's recipe
+    long_*         several epochs over all answers; long_norms_ttt4_b32_e12_g32 is the committed drafter's
+                   recipe; long_init_v12288_e5 goes on from its export with a 12,288-token draft vocab
     abl_*          ablations: one technique each against abl_base, on identical data and steps (the
                    first 4,096 conversations, two epochs of batch 16): the loss (lk, lk_alpha, tv,
                    jsd; kl has soft_ce's gradient), EAGLE-3.1's norms, TTT step weights (uniform,
@@ -124,6 +125,10 @@ LONG["long_norms_mlp4x_b32_e10_g32"] = [*_NORMS, "train.epochs=10", "train.ttt_s
 # the committed drafter: the norms and TTT 4 (both ahead in the ablations); TTT 4's cheaper steps pay
 # for two more epochs in about the earlier recipe's GPU time
 LONG["long_norms_ttt4_b32_e12_g32"] = [*_NORMS, "train.epochs=12", "train.ttt_steps=4"]
+# a second stage from a finished long run's export (drafter.init_from): its rows kept, the draft vocab
+# grown to 12,288 (new rows mapped from the target's head), five more epochs at a lower peak lr
+INIT = {"long_init_v12288_e5": ("long_norms_ttt4_b32_e12_g32",
+                                ["drafter.draft_vocab_size=12288", "train.epochs=5", "optim.lr=1e-3"])}
 
 # ablations: the first ABL_CONVERSATIONS conversations of the answer file, two epochs of batch 16
 ABL_CONVERSATIONS = 4096
@@ -208,6 +213,8 @@ def build_jobs(work: Path, dry: bool, gpus: int, regen_minutes: float = 0.0, reg
     jobs += [Job(n, train("smollm2_peer", n, *o), deps=["regen_peer"]) for n, o in PEER.items()]
     jobs += [Job(n, scale_train(n, k, *SCALE_COMMON, *o), deps=["regen_all"]) for n, (k, o) in SCALE.items()]
     jobs += [Job(n, scale_train(n, 0, *o), deps=["regen_all"]) for n, o in LONG.items()]
+    jobs += [Job(n, scale_train(n, 0, f"drafter.init_from={runs / start}", *o), deps=[start])
+             for n, (start, o) in INIT.items()]
     # the format pair first: each captures its features before it trains
     jobs += [Job(n, ablation(n, "train.mode=offline", f"capture.format={f}",
                              f"data.features_dir={work / 'features' / n}"), deps=["regen_all"]) for n, f in FORMATS.items()]

@@ -2,6 +2,7 @@
 committed drafter's job runs the recipe docs/results.md states, and a job trains and exports."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -43,6 +44,12 @@ def test_every_dependency_is_a_job_and_the_committed_recipe_is_the_documented_on
                 "train.length_groups=32", "train.ttt_steps=4", "drafter.fc_norm=true", "drafter.norm_output=true"):
         assert arg in cmd
     assert {"zero3_2gpu", "kimi_zero3_2gpu"} <= set(jobs)
+    # the second stage starts from the committed recipe's run and names it as its dependency
+    second = jobs["long_init_v12288_e5"]
+    assert second.deps == ["long_norms_ttt4_b32_e12_g32"]
+    cmd = second.cmd()
+    assert f"drafter.init_from={tmp_path / 'runs' / 'long_norms_ttt4_b32_e12_g32'}" in cmd
+    assert {"drafter.draft_vocab_size=12288", "train.epochs=5", "optim.lr=1e-3", f"data.path={answers}"} <= set(cmd)
     # each ablation is abl_base's command plus its own overrides: identical data, batch and steps
     from reproduce_smollm2 import ABLATE
     base = jobs["abl_base"].cmd()
@@ -80,6 +87,21 @@ def test_dry_run_trains_and_exports_a_job(tmp_path):
     status = json.loads((work / "status.json").read_text())
     assert status["long_b32_e10_g32"]["state"] == "ok"
     assert (work / "runs" / "long_b32_e10_g32" / "export" / "vllm" / "config.json").exists()
+
+
+def test_dry_run_second_stage_starts_from_the_first_stages_export(tmp_path):
+    answers = answers_file(tmp_path / "answers.jsonl")
+    work = tmp_path / "work"
+    run("--work", str(work), "--dry-run", "--gpus", "0", "--only", "long_norms_ttt4_b32_e12_g32,long_init_v12288_e5",
+        "--answers", str(answers))
+    status = json.loads((work / "status.json").read_text())
+    assert status["long_norms_ttt4_b32_e12_g32"]["state"] == status["long_init_v12288_e5"]["state"] == "ok"
+    first, second = work / "runs" / "long_norms_ttt4_b32_e12_g32", work / "runs" / "long_init_v12288_e5"
+    assert f"init_from: {first}" in (second / "config.yaml").read_text()
+    log = (work / "logs" / "long_init_v12288_e5.log").read_text()
+    kept = re.search(rf"drafter from {re.escape(str(first))}\S*: (\d+) lm_head rows kept, (\d+) mapped", log)
+    assert kept and int(kept[1]) > 0, log[-2000:]
+    assert (second / "export" / "vllm" / "config.json").exists()
 
 
 def test_dry_run_ablation_trains_and_is_judged_at_both_chains(tmp_path):
