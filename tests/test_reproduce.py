@@ -121,34 +121,49 @@ def test_dry_run_ablation_trains_and_is_judged_at_both_chains(tmp_path):
 def test_a_job_out_of_gpu_memory_runs_again_once_with_fewer_beside_it(tmp_path):
     """`oom` fails with torch's message while two others run, is queued again and starts only after
     one of them ended; `hopeless` runs out of memory again on its second start and fails; a job
-    that ran out of memory with its GPU to itself is not retried."""
+    that ran out of memory with its GPU to itself is not retried. The neighbours end on events, not
+    after fixed sleeps, so a loaded machine cannot reorder them: each waits (at most a minute) until
+    status.json shows the failing job queued again, and `long` until `oom` has started again."""
     from reproduce_smollm2 import Job, run as run_jobs
 
     (tmp_path / "logs").mkdir()
-    flag = tmp_path / "oom_once"
+    status = tmp_path / "status.json"
+    flag, again = tmp_path / "oom_once", tmp_path / "oom_again"
 
     def py(code):
         return [sys.executable, "-c", code]
 
-    oom_once = (f"import pathlib, sys, time; time.sleep(1); f = pathlib.Path({str(flag)!r})\n"
+    def until(cond):
+        """A job that ends once cond (Python, over `s`: status.json's content, and `pathlib`) holds."""
+        return py("import json, pathlib, time\nt = time.time()\n"
+                  "def s():\n    try:\n        return json.loads(pathlib.Path(%r).read_text())\n"
+                  "    except (OSError, ValueError):\n        return {}\n"
+                  "while not (%s) and time.time() - t < 60:\n    time.sleep(0.05)" % (str(status), cond))
+
+    def queued(name):                     # ran once, now waits to run again
+        return f"s().get({name!r}, {{}}).get('state') == 'wait' and s()[{name!r}]['start_s'] is not None"
+
+    oom_once = (f"import pathlib, sys; f = pathlib.Path({str(flag)!r})\n"
                 "if not f.exists():\n    f.touch(); print('torch.OutOfMemoryError: CUDA out of memory.'); sys.exit(1)\n"
-                "print('trained')")
-    jobs = [Job("short", py("import time; time.sleep(4)"), gpus=0),
-            Job("long", py("import time; time.sleep(8)"), gpus=0),
+                f"pathlib.Path({str(again)!r}).touch(); print('trained')")
+    jobs = [Job("short", until(queued("oom")), gpus=0),
+            Job("long", until(f"pathlib.Path({str(again)!r}).exists()"), gpus=0),
             Job("oom", py(oom_once), gpus=0)]
     run_jobs(jobs, tmp_path, gpus=0, per_gpu=4)
     short, long, oom = jobs
+    assert short.t1 - short.t0 < 50 and long.t1 - long.t0 < 50  # neither timed out waiting
     assert [j.state for j in jobs] == ["ok", "ok", "ok"] and oom.retried and oom.crowd == 2
     assert short.t1 <= oom.t0 < long.t1                        # restarted once a neighbour had ended
     log = (tmp_path / "logs" / "oom.log").read_text()
     assert "CUDA out of memory" in log and "trained" in log     # both attempts kept in its log
 
-    jobs = [Job("hopeless", py("import sys, time; time.sleep(1); print('CUDA out of memory'); sys.exit(1)"),
-                gpus=0), Job("beside", py("import time; time.sleep(3)"), gpus=0),
+    jobs = [Job("hopeless", py("import sys; print('CUDA out of memory'); sys.exit(1)"), gpus=0),
+            Job("beside", until(queued("hopeless")), gpus=0),
             Job("alone", py("import sys; print('CUDA out of memory'); sys.exit(1)"), gpus=0, exclusive=True,
                 after=["hopeless", "beside"])]
     run_jobs(jobs, tmp_path, gpus=0, per_gpu=4)
     hopeless, beside, alone = jobs
+    assert beside.t1 - beside.t0 < 50                          # it saw `hopeless` queued
     assert hopeless.state == "fail" and hopeless.retried and hopeless.t0 >= beside.t1
     assert alone.state == "fail" and not alone.retried
 
