@@ -19,6 +19,8 @@ its run directory WORK/runs/NAME:
                    scale_55k_warm: lm_head and norm started from the target's
     long_*         several epochs over all answers; long_norms_ttt4_b32_e12_g32 is the committed drafter's
                    recipe; long_init_v12288_e5 goes on from its export with a 12,288-token draft vocab
+                   (five epochs), long_init_v32768_e3 with 32,768 tokens (three epochs over the first
+                   12,288 conversations)
     abl_*          ablations: one technique each against abl_base, on identical data and steps (the
                    first 4,096 conversations, two epochs of batch 16): the loss (lk, lk_alpha, tv,
                    jsd; kl has soft_ce's gradient), EAGLE-3.1's norms, TTT step weights (uniform,
@@ -127,8 +129,12 @@ LONG["long_norms_mlp4x_b32_e10_g32"] = [*_NORMS, "train.epochs=10", "train.ttt_s
 LONG["long_norms_ttt4_b32_e12_g32"] = [*_NORMS, "train.epochs=12", "train.ttt_steps=4"]
 # a second stage from a finished long run's export (drafter.init_from): its rows kept, the draft vocab
 # grown to 12,288 (new rows mapped from the target's head), five more epochs at a lower peak lr
-INIT = {"long_init_v12288_e5": ("long_norms_ttt4_b32_e12_g32",
-                                ["drafter.draft_vocab_size=12288", "train.epochs=5", "optim.lr=1e-3"])}
+# second stages, each from a first stage's export (drafter.init_from) with a larger draft vocab:
+# name: (first stage, conversations from the start of the answer file (0: all), overrides)
+INIT = {"long_init_v12288_e5": ("long_norms_ttt4_b32_e12_g32", 0,
+                                ["drafter.draft_vocab_size=12288", "train.epochs=5", "optim.lr=1e-3"]),
+        "long_init_v32768_e3": ("long_norms_ttt4_b32_e12_g32", 12288,
+                                ["drafter.draft_vocab_size=32768", "train.epochs=3", "optim.lr=1e-3"])}
 
 # ablations: the first ABL_CONVERSATIONS conversations of the answer file, two epochs of batch 16
 ABL_CONVERSATIONS = 4096
@@ -197,6 +203,11 @@ def build_jobs(work: Path, dry: bool, gpus: int, regen_minutes: float = 0.0, reg
                     *data(), *over, *tiny, *ev_tiny]
         return cmd
 
+    def second_stage(name, start: Path, conversations: int, *over):
+        n = conversations // 100 if dry else conversations
+        return lambda: train("smollm2_scale", name, *on_answers(0)[:2], f"data.num_samples={n}",
+                             "capture.regenerate=false", f"drafter.init_from={start}", *over)
+
     def ablation(name, *over):
         n = ABL_CONVERSATIONS // 100 if dry else ABL_CONVERSATIONS
         return lambda: train("smollm2_scale", name, *on_answers(0)[:2], f"data.num_samples={n}",
@@ -213,8 +224,7 @@ def build_jobs(work: Path, dry: bool, gpus: int, regen_minutes: float = 0.0, reg
     jobs += [Job(n, train("smollm2_peer", n, *o), deps=["regen_peer"]) for n, o in PEER.items()]
     jobs += [Job(n, scale_train(n, k, *SCALE_COMMON, *o), deps=["regen_all"]) for n, (k, o) in SCALE.items()]
     jobs += [Job(n, scale_train(n, 0, *o), deps=["regen_all"]) for n, o in LONG.items()]
-    jobs += [Job(n, scale_train(n, 0, f"drafter.init_from={runs / start}", *o), deps=[start])
-             for n, (start, o) in INIT.items()]
+    jobs += [Job(n, second_stage(n, runs / start, k, *o), deps=[start]) for n, (start, k, o) in INIT.items()]
     # the format pair first: each captures its features before it trains
     jobs += [Job(n, ablation(n, "train.mode=offline", f"capture.format={f}",
                              f"data.features_dir={work / 'features' / n}"), deps=["regen_all"]) for n, f in FORMATS.items()]

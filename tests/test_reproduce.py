@@ -49,7 +49,14 @@ def test_every_dependency_is_a_job_and_the_committed_recipe_is_the_documented_on
     assert second.deps == ["long_norms_ttt4_b32_e12_g32"]
     cmd = second.cmd()
     assert f"drafter.init_from={tmp_path / 'runs' / 'long_norms_ttt4_b32_e12_g32'}" in cmd
-    assert {"drafter.draft_vocab_size=12288", "train.epochs=5", "optim.lr=1e-3", f"data.path={answers}"} <= set(cmd)
+    assert {"drafter.draft_vocab_size=12288", "train.epochs=5", "optim.lr=1e-3", f"data.path={answers}",
+            "data.num_samples=0"} <= set(cmd)
+    third = jobs["long_init_v32768_e3"]
+    assert third.deps == ["long_norms_ttt4_b32_e12_g32"]
+    cmd = third.cmd()
+    assert {f"drafter.init_from={tmp_path / 'runs' / 'long_norms_ttt4_b32_e12_g32'}", "drafter.draft_vocab_size=32768",
+            "train.epochs=3", "optim.lr=1e-3", "data.num_samples=12288", "capture.regenerate=false"} <= set(cmd)
+    assert sum(a.startswith("data.num_samples=") for a in cmd) == 1
     # each ablation is abl_base's command plus its own overrides: identical data, batch and steps
     from reproduce_smollm2 import ABLATE
     base = jobs["abl_base"].cmd()
