@@ -5,10 +5,10 @@ or, by default, from a quick fixture: a drafter fitted for a minute to SmolLM2's
 to the very prompts evaluated, so both decoders accept a good share of its drafts (the point is
 that the two decoders COUNT the same, not that the drafter generalises).
 
-Why tau may differ between the two (tolerance below): vLLM runs the target and drafter in bf16,
-the hf backend here in bf16 too but through other kernels, so a near-tie argmax can flip and the
-greedy text diverge; after a divergence the drafter sees text it has not memorised. Batch size is
-1 in both, so batching does not enter.
+The comparisons run target and drafter in fp32 in both engines: in bf16 each engine's kernels
+round near-ties their own way (and a verify pass differently from a decode step), so the two
+greedy texts part, on CPUs with bf16 matrix units and without, and a drafter fitted to one text
+is judged on another. Batch size is 1 in both, so batching does not enter.
 """
 import json
 import os
@@ -22,12 +22,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 NUM_PROMPTS, MAX_NEW, K = 3, 32, 3
-TAU_TOL = 0.15        # |tau_hf - tau_vllm|; measured 0.029 (1.632 vs 1.661) with the fixture drafter
-# The layer-id test: a one-layer shift costs this drafter little (adjacent residual streams are
-# alike), 0.04 of tau; at 10 prompts x 64 tokens the correct wiring won only 6 of 10 prompts, so
-# the test judges more prompts and longer answers, enough for the paired difference to clear noise.
-NUM_PROMPTS_IDS, MAX_NEW_IDS = 12, 96
-
+TAU_TOL = 0.15        # |tau_hf - tau_vllm| allowed between the two decoders in fp32
 
 def _engine_missing():
     try:
@@ -47,7 +42,12 @@ def fit_memorizing_drafter(out_root: Path, steps: int = 80, **norms) -> Path:
     the real exporter, so the engine reads exactly what training would hand it. norms: EAGLE-3.1's
     fc_norm / norm_output (DrafterShape fields); the drafter is then trained by training-time test
     over K steps (eagle3.loss.ttt_loss), so that the drafts after the first, which norm_output
-    changes, are accepted too; no mis-wired copy is written then."""
+    changes, are accepted too; no mis-wired copy is written then. Without norms the drafter is
+    also taught that the states of the layers one above and one below each aux layer are not its
+    input (it must draft anything but the answer's token from them), and a copy is written with
+    vLLM's ids shifted by one: acceptance then tells whether the engine hands over exactly the
+    layers the ids name, which a drafter trained on real data shows only faintly (adjacent
+    residual streams are alike)."""
     from eagle3 import chat, evaluation as ev
     from eagle3.export import export_drafter
     from eagle3.loss import target_teacher, ttt_loss
@@ -95,7 +95,10 @@ def fit_memorizing_drafter(out_root: Path, steps: int = 80, **norms) -> Path:
             ids = torch.tensor(s)
             target = ids[2:]
             keep = torch.tensor(m[2:]).bool() & t2d[target]
-            rows.append((aux[:-1], ids[1:], target, keep))
+            # the states of the layers one above and one below: taught to draft anything but the
+            # answer's token, so that an engine reading the ids one off in either direction is refused
+            wrong = [torch.cat([hs[i + d][0] for i in aux_layers], -1).float()[:-1] for d in (-1, 1)]
+            rows.append((aux[:-1], ids[1:], target, keep, wrong))
     draft_of = torch.full((info.vocab_size,), -1, dtype=torch.long)
     draft_of[vocab.draft_ids] = torch.arange(vocab.size)
     opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=2e-3)
@@ -103,9 +106,13 @@ def fit_memorizing_drafter(out_root: Path, steps: int = 80, **norms) -> Path:
         loss = 0.0
         for batch in ttt:
             loss = loss + ttt_loss(drafter, **batch, target_lm_head=head, vocab=vocab, ttt_steps=K).loss
-        for aux, nxt, target, keep in rows if not norms else []:
+        for aux, nxt, target, keep, wrong in rows if not norms else []:
             logits, _ = drafter(aux[None], nxt[None])
             loss = loss + torch.nn.functional.cross_entropy(logits[0, :-1][keep], draft_of[target][keep])
+            for w in wrong:            # unlikelihood of the answer's token: -log(1 - p)
+                logits, _ = drafter(w[None], nxt[None])
+                lp = logits[0, :-1][keep].log_softmax(-1).gather(-1, draft_of[target][keep][:, None])
+                loss = loss - torch.log(-torch.expm1(lp.clamp(max=-1e-6))).mean()
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -157,20 +164,19 @@ def per_prompt_tau(out: Path, drafter: str) -> dict:
     return {r["prompt_id"]: 1 + r["num_accepted"] / max(1, r["num_drafts"]) for r in rows if r["drafter"] == drafter}
 
 
-def test_hf_and_vllm_agree_on_tau(drafter_dir, tmp_path):
+def test_hf_and_vllm_agree_on_tau_and_on_the_layer_ids(drafter_dir, tmp_path):
+    """The fixture drafter in both decoders (fp32): the same tau and acceptance by position, vLLM
+    reading the export's ids as the aux layers the drafter was trained on, and the copy with ids
+    shifted by one drafting blind there (an engine whose ids meant the layer's output, or the layer
+    below, would serve the correct export that way too: docs/engines.md, "Aux layer ids")."""
     shifted = drafter_dir.parent.parent / "shifted" / "export" / "vllm"
     drafters = [drafter_dir] + ([shifted] if shifted.exists() else [])
-    hf = _evaluate("hf", [drafter_dir], tmp_path / "hf", ["target.dtype=bfloat16"])["results"][0]
-    print(f"\nhf  tau {hf['tau']:.3f} acc {hf['accept_per_position']} drafts {hf['num_drafts']}", flush=True)
-    rep = _evaluate("vllm", drafters, tmp_path / "vllm")
+    hf = _evaluate("hf", [drafter_dir], tmp_path / "hf", ["target.dtype=float32"])["results"][0]
+    rep = _evaluate("vllm", drafters, tmp_path / "vllm", ["eval.baseline=false", "target.dtype=float32"])
     vl = rep["results"][0]
     print(f"\nhf  tau {hf['tau']:.3f} acc {hf['accept_per_position']} drafts {hf['num_drafts']}"
-          f"\nvllm tau {vl['tau']:.3f} acc {vl['accept_per_position']} drafts {vl['num_drafts']}"
-          f" tok/s {vl['tok_s']:.1f} baseline {vl['baseline_tok_s']:.1f}")
-    # bf16: a verify pass over k+1 rows may round differently from a one-row decode step, so a
-    # near-tie can flip and the speculative text leave the plain one; that is reported, not hidden
-    # (the fp32 hf runs in test_specdec.py / test_evaluation.py require zero mismatches).
-    print(f"mismatches (bf16) hf {hf['mismatches']} vllm {vl['mismatches']}")
+          f"\nvllm tau {vl['tau']:.3f} acc {vl['accept_per_position']} drafts {vl['num_drafts']}")
+    assert hf["mismatches"] == [], "fp32 speculative decoding must reproduce the plain greedy text"
     assert hf["tau"] > 1.3, "the drafter must be accepted often enough for the comparison to mean something"
     assert abs(hf["tau"] - vl["tau"]) <= TAU_TOL
     for a, b in zip(hf["accept_per_position"], vl["accept_per_position"]):
@@ -180,11 +186,9 @@ def test_hf_and_vllm_agree_on_tau(drafter_dir, tmp_path):
     assert vl["engine_aux_layers"] == vl["aux_layers"] == [2, 15, 27]
     if len(rep["results"]) > 1:
         sh = rep["results"][1]
-        assert sh["engine_aux_layers"] == [3, 16, 28]      # a mis-wired export is read as written
-        # Measured only: the memorising fixture drafter scored the same tau (1.661) with ids shifted
-        # by one (adjacent layers' states give it the same argmax), so it cannot show the layer-id
-        # convention; that needs a drafter trained on real data (assert it then).
         print(f"shifted ids: vllm tau {sh['tau']:.3f} acc {sh['accept_per_position']}")
+        assert sh["engine_aux_layers"] == [3, 16, 28]      # a mis-wired export is read as written
+        assert vl["tau"] - sh["tau"] > 2 * TAU_TOL         # ... and served blind
 
 
 @pytest.fixture(scope="module")
@@ -279,32 +283,13 @@ def test_vllm_runs_every_layer_of_a_two_layer_drafter(two_layer_drafter_dir, tmp
     assert gap(served, both) < gap(served, first)
 
 
-def test_the_committed_drafter_shows_the_layer_id_convention(tmp_path):
-    """The committed GPU-trained drafter (results/smollm2-drafter) against the same weights with
-    vLLM's aux ids shifted by one. vLLM reads both as written; the correct wiring must be accepted
-    more often, prompt by prompt as well as in total (docs/results.md, "Layer ids")."""
+def test_the_committed_drafter_is_accepted_in_vllm_in_bf16(tmp_path):
+    """The committed GPU-trained drafter (results/smollm2-drafter) served by vLLM as evaluation
+    serves it by default (bf16): read with its trained aux layers and accepted well above chance
+    (a drafter whose drafts were all refused scores tau 1)."""
     src = ROOT / "results" / "smollm2-drafter" / "export" / "vllm"
-    shifted = tmp_path / "shifted" / "vllm"
-    shifted.mkdir(parents=True)
-    for f in src.iterdir():
-        shutil.copy(f, shifted / f.name)
-    cfg = json.loads((src / "config.json").read_text())
-    ids = cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
-    cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in ids]
-    del cfg["eagle3"]          # our record of the meaning: with it, evaluate.py refuses the mismatch
-    (shifted / "config.json").write_text(json.dumps(cfg, indent=2))
-
-    rep = _evaluate("vllm", [src, shifted], tmp_path / "out", ["eval.baseline=false"],   # tau only: no plain decode
-                    num_prompts=NUM_PROMPTS_IDS, max_new=MAX_NEW_IDS)
-    good, bad = rep["results"]
-    assert good["engine_aux_layers"] == [2, 15, 27] and bad["engine_aux_layers"] == [3, 16, 28]
-    a, b = per_prompt_tau(tmp_path / "out", good["drafter"]), per_prompt_tau(tmp_path / "out", bad["drafter"])
-    diff = torch.tensor([a[p] - b[p] for p in a], dtype=torch.float64)
-    t = float(diff.mean() / (diff.std() / len(diff) ** 0.5))       # paired t over prompts
-    wins = int((diff > 0).sum())
-    print(f"\ncommitted tau {good['tau']:.3f} acc {good['accept_per_position']}"
-          f"\nshifted   tau {bad['tau']:.3f} acc {bad['accept_per_position']}; correct wins on {wins}/{len(a)} "
-          f"prompts, mean difference {float(diff.mean()):.3f}, paired t {t:.1f}")
-    assert good["tau"] > 1.3                       # a real drafter, accepted well above chance
-    assert len(diff) == NUM_PROMPTS_IDS
-    assert good["tau"] > bad["tau"] and t > 2.72   # one-sided, p < 0.01 at 11 degrees of freedom
+    good = _evaluate("vllm", [src], tmp_path / "out", ["eval.baseline=false"])["results"][0]
+    print(f"\ncommitted tau {good['tau']:.3f} acc {good['accept_per_position']} drafts {good['num_drafts']}")
+    assert good["engine_aux_layers"] == good["aux_layers"] == [2, 15, 27]
+    assert good["tau"] > 1.3
+    assert good["accept_per_position"][0] > 0.3
