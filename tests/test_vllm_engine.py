@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 NUM_PROMPTS, MAX_NEW, K = 3, 32, 3
 TAU_TOL = 0.15        # |tau_hf - tau_vllm| allowed between the two decoders in fp32
 
+
 def _engine_missing():
     try:
         import vllm  # noqa: F401
@@ -81,10 +82,14 @@ def fit_memorizing_drafter(out_root: Path, steps: int = 80, **norms) -> Path:
     drafter.set_target_embedding(model.get_input_embeddings().weight.float())
     rows, ttt = [], []
     head = model.get_output_embeddings().weight.detach().float()
+
+    def aux_states(hs, shift=0):     # [T, k*H]: the aux layers' states, or those `shift` layers off
+        return torch.cat([hs[i + shift][0] for i in aux_layers], -1).float()
+
     with torch.no_grad():
         for s, m in zip(seqs, masks):
             hs = model(torch.tensor([s]), output_hidden_states=True).hidden_states
-            aux = torch.cat([hs[i][0] for i in aux_layers], -1).float()
+            aux = aux_states(hs)
             if norms:
                 final = model.model(torch.tensor([s])).last_hidden_state.float()      # after the final norm
                 ttt.append(dict(input_ids=torch.tensor([s]), loss_mask=torch.tensor([m]),
@@ -97,7 +102,7 @@ def fit_memorizing_drafter(out_root: Path, steps: int = 80, **norms) -> Path:
             keep = torch.tensor(m[2:]).bool() & t2d[target]
             # the states of the layers one above and one below: taught to draft anything but the
             # answer's token, so that an engine reading the ids one off in either direction is refused
-            wrong = [torch.cat([hs[i + d][0] for i in aux_layers], -1).float()[:-1] for d in (-1, 1)]
+            wrong = [aux_states(hs, d)[:-1] for d in (-1, 1)]
             rows.append((aux[:-1], ids[1:], target, keep, wrong))
     draft_of = torch.full((info.vocab_size,), -1, dtype=torch.long)
     draft_of[vocab.draft_ids] = torch.arange(vocab.size)
@@ -107,11 +112,12 @@ def fit_memorizing_drafter(out_root: Path, steps: int = 80, **norms) -> Path:
         for batch in ttt:
             loss = loss + ttt_loss(drafter, **batch, target_lm_head=head, vocab=vocab, ttt_steps=K).loss
         for aux, nxt, target, keep, wrong in rows if not norms else []:
+            label = draft_of[target][keep]
             logits, _ = drafter(aux[None], nxt[None])
-            loss = loss + torch.nn.functional.cross_entropy(logits[0, :-1][keep], draft_of[target][keep])
+            loss = loss + torch.nn.functional.cross_entropy(logits[0, :-1][keep], label)
             for w in wrong:            # unlikelihood of the answer's token: -log(1 - p)
                 logits, _ = drafter(w[None], nxt[None])
-                lp = logits[0, :-1][keep].log_softmax(-1).gather(-1, draft_of[target][keep][:, None])
+                lp = logits[0, :-1][keep].log_softmax(-1).gather(-1, label[:, None])
                 loss = loss - torch.log(-torch.expm1(lp.clamp(max=-1e-6))).mean()
         opt.zero_grad()
         loss.backward()
