@@ -30,23 +30,30 @@ import hydra
 from eagle3 import chat, evaluation as ev
 from eagle3 import judging
 from eagle3.config import Config, register, to_config
+from eagle3.eval_journal import Journal, export_digest
 
 register()
 
 # generate(prompt_ids) -> (new_ids, seconds, counters {drafts, draft_tokens, accepted, per_pos, engine_tokens})
 Generate = Callable[[List[int]], Tuple[List[int], float, dict]]
+# key(drafter or None, prompt set name or None, chain or None) -> the journal's dict for that configuration
+Key = Callable[[dict, str, int], dict]
 
 
 def decode_prompts(prompts: List[ev.Prompt], tokenizer, generate: Generate, label: str,
-                   stop: List[int]) -> List[ev.DecodeStats]:
+                   stop: List[int], journal: Journal = None, config: dict = None) -> List[ev.DecodeStats]:
     """Every turn of every prompt; later turns follow the model's own previous answer, cut at the
     stop ids the decoding used and rendered as regeneration renders it (chat.answer_turn), so a
-    follow-up prompt holds the tokens training saw for the same conversation."""
+    follow-up prompt holds the tokens training saw for the same conversation. With a journal,
+    prompts it holds for `config` are taken from it and each new one is added as it finishes."""
     from tqdm import tqdm
 
     from capture.regenerate import cut_at_stop
     out = []
     for p in tqdm(prompts, desc=f"[eval] {label}", unit="prompt", file=sys.stderr, dynamic_ncols=True):
+        if journal is not None and (st := journal.get(config, p)) is not None:
+            out.append(st)
+            continue
         st = ev.DecodeStats(p.id, [], 0.0, category=p.category)
         messages = list(p.messages)
         for turn, followup in enumerate([None] + list(p.followups)):
@@ -64,6 +71,8 @@ def decode_prompts(prompts: List[ev.Prompt], tokenizer, generate: Generate, labe
             st.accepted_per_pos = [a + b for a, b in zip(
                 st.accepted_per_pos + [0] * (len(per_pos) - len(st.accepted_per_pos)),
                 per_pos + [0] * (len(st.accepted_per_pos) - len(per_pos)))]
+        if journal is not None:
+            journal.add(config, p, st)
         out.append(st)
     return out
 
@@ -78,7 +87,7 @@ def at_chain(e, k: int):
     return dataclasses.replace(e, num_steps=k, num_draft_tokens=e.num_draft_tokens if k == e.num_steps else 0)
 
 
-def run_hf(e, target_dir, dtype_name, drafters, prompt_sets, tokenizer, stop, chains) -> tuple:
+def run_hf(e, target_dir, dtype_name, drafters, prompt_sets, tokenizer, stop, chains, journal, key) -> tuple:
     import torch
     import transformers
     from eagle3.specdec import greedy_decode, load_hf_drafter, spec_decode
@@ -87,7 +96,8 @@ def run_hf(e, target_dir, dtype_name, drafters, prompt_sets, tokenizer, stop, ch
     dtype = _torch_dtype(dtype_name, device)
     model = load_target_model(target_dir, dtype, device)
     base = {name: decode_prompts(ps, tokenizer, lambda ids: (*greedy_decode(model, ids, e.max_new_tokens, stop), {}),
-                                 f"baseline / {name}", stop) for name, ps in prompt_sets.items()} if e.baseline else {}
+                                 f"baseline / {name}", stop, journal, key(None, name, None))
+            for name, ps in prompt_sets.items()} if e.baseline else {}
     spec = {}
     for d in drafters:
         chain = load_hf_drafter(d["export"], model, device, dtype)
@@ -97,7 +107,7 @@ def run_hf(e, target_dir, dtype_name, drafters, prompt_sets, tokenizer, stop, ch
                 return toks, secs, _counters(c)
             for name, ps in prompt_sets.items():
                 spec[(d["name"], name, k)] = decode_prompts(ps, tokenizer, gen, f"{d['name']} / {name} / chain {k}",
-                                                            stop)
+                                                            stop, journal, key(d, name, k))
     versions = {"torch": torch.__version__, "transformers": transformers.__version__,
                 "device": device, "dtype": str(dtype).replace("torch.", "")}
     if device == "cpu":
@@ -153,9 +163,11 @@ def run_replay(e, target_dir, dtype_name, drafters, prompt_sets, tokenizer, stop
     return base if e.baseline else {}, spec, versions
 
 
-def run_vllm(e, target_dir, dtype_name, max_model_len, drafters, prompt_sets, tokenizer, stop, chains) -> tuple:
-    """vLLM in-process (its CPU build here): one LLM object at a time, freed before the next. The
-    target and drafter run in bf16 unless target.dtype names another dtype."""
+def run_vllm(e, target_dir, dtype_name, max_model_len, drafters, prompt_sets, tokenizer, stop, chains,
+             journal, key) -> tuple:
+    """vLLM in-process (its CPU build here): one LLM object at a time, freed before the next, and
+    none for a configuration the journal already holds. The target and drafter run in bf16 unless
+    target.dtype names another dtype."""
     import gc
 
     import torch
@@ -172,7 +184,7 @@ def run_vllm(e, target_dir, dtype_name, max_model_len, drafters, prompt_sets, to
                   gpu_memory_utilization=0.85 if on_gpu else 0.25,
                   enforce_eager=not on_gpu, disable_log_stats=False, seed=0)
 
-    def decode_all(llm) -> Dict[str, List[ev.DecodeStats]]:
+    def decode_all(llm, drafter, k) -> Dict[str, List[ev.DecodeStats]]:
         def gen(ids):
             before = ev.vllm_counters(llm.get_metrics())
             t0 = time.perf_counter()
@@ -180,19 +192,26 @@ def run_vllm(e, target_dir, dtype_name, max_model_len, drafters, prompt_sets, to
             secs = time.perf_counter() - t0
             c = ev.vllm_delta(before, ev.vllm_counters(llm.get_metrics()))
             return list(res[0].outputs[0].token_ids), secs, c
-        return {name: decode_prompts(ps, tokenizer, gen, name, stop) for name, ps in prompt_sets.items()}
+        return {name: decode_prompts(ps, tokenizer, gen, name, stop, journal, key(drafter, name, k))
+                for name, ps in prompt_sets.items()}
 
-    def with_llm(drafter=None, **kw):
+    def with_llm(drafter=None, k=None, **kw):
+        seen = journal.get_meta(key(drafter, None, k)) if drafter is not None else {}
+        if seen is not None and all(journal.complete(key(drafter, name, k), ps) for name, ps in prompt_sets.items()):
+            if drafter is not None:
+                drafter["engine_aux_layers"] = seen["engine_aux_layers"]
+            return decode_all(None, drafter, k)          # every prompt from the journal: no engine
         llm = LLM(**common, **kw)
         try:
             if drafter is not None:
                 # What vLLM really captures, read off its model: a mis-wired id crashes nothing.
                 drafter["engine_aux_layers"] = llm.apply_model(ev.engine_aux_layers)[0]
+                journal.set_meta(key(drafter, None, k), {"engine_aux_layers": drafter["engine_aux_layers"]})
                 if drafter["engine_aux_layers"] != drafter["aux_layers"]:
                     print(f"[eval] WARNING: vLLM captures the residual stream entering layers "
                           f"{drafter['engine_aux_layers']} but drafter {drafter['name']} was trained on "
                           f"{drafter['aux_layers']}: its acceptance will suffer", file=sys.stderr)
-            return decode_all(llm)
+            return decode_all(llm, drafter, k)
         finally:
             del llm
             gc.collect()
@@ -201,8 +220,8 @@ def run_vllm(e, target_dir, dtype_name, max_model_len, drafters, prompt_sets, to
     spec = {}
     for d in drafters:
         for k in chains:
-            out = with_llm(speculative_config={"method": "eagle3", "model": str(d["export"]),
-                                               "num_speculative_tokens": k}, drafter=d)
+            out = with_llm(d, k, speculative_config={"method": "eagle3", "model": str(d["export"]),
+                                                     "num_speculative_tokens": k})
             spec.update({(d["name"], name, k): st for name, st in out.items()})
     versions = {"vllm": vllm.__version__, "torch": torch.__version__,
                 "vllm_settings": {k: v for k, v in common.items() if k != "model"}}
@@ -211,15 +230,19 @@ def run_vllm(e, target_dir, dtype_name, max_model_len, drafters, prompt_sets, to
     return base, spec, versions
 
 
-def run_sglang(e, target_dir, trust_remote_code, drafters, prompt_sets, tokenizer, stop, out_dir, chains) -> tuple:
+def run_sglang(e, target_dir, trust_remote_code, drafters, prompt_sets, tokenizer, stop, out_dir, chains,
+               journal, key) -> tuple:
     """A fresh `sglang.launch_server` per configuration (its counters are per request, but a fresh
-    server keeps caches and warm-up identical), or eval.server_url for one running server."""
+    server keeps caches and warm-up identical), or eval.server_url for one running server; none for
+    a configuration the journal already holds."""
     from capture import sglang_server as srv
     from eagle3.serving import SERVER_START_TIMEOUT, eval_server_cmd, server_cmd, sglang_python
 
-    def serve(draft, tag, e=e) -> Dict[str, List[ev.DecodeStats]]:
-        if e.server_url:
-            return decode_sglang(e.server_url.rstrip("/"), prompt_sets, tokenizer, stop, e)
+    def serve(d, k, tag, e=e) -> Dict[str, List[ev.DecodeStats]]:
+        keys = {name: key(d, name, k) for name in prompt_sets}
+        if e.server_url or all(journal.complete(keys[name], ps) for name, ps in prompt_sets.items()):
+            return decode_sglang(e.server_url.rstrip("/"), prompt_sets, tokenizer, stop, e, journal, keys)
+        draft = d["export"] if d is not None else None
         port = srv.free_port()
         if draft is None:
             cmd = server_cmd(str(target_dir), e.tp_size, port, e.server_args,
@@ -232,15 +255,15 @@ def run_sglang(e, target_dir, trust_remote_code, drafters, prompt_sets, tokenize
         proc = srv.launch(cmd, None, str(Path(out_dir) / f"sglang_{tag}.log"), url + "/health",
                           timeout=SERVER_START_TIMEOUT)
         try:
-            return decode_sglang(url, prompt_sets, tokenizer, stop, e)
+            return decode_sglang(url, prompt_sets, tokenizer, stop, e, journal, keys)
         finally:
             srv.stop(proc)
 
-    base = serve(None, "baseline") if e.baseline and not e.server_url else {}
+    base = serve(None, None, "baseline") if e.baseline and not e.server_url else {}
     spec = {}
     for d in drafters:
         for k in chains:
-            out = serve(d["export"], f"{d['name']}_chain{k}", at_chain(e, k))
+            out = serve(d, k, f"{d['name']}_chain{k}", at_chain(e, k))
             spec.update({(d["name"], name, k): st for name, st in out.items()})
     return base, spec, {"sglang": _pkg_version("sglang")}
 
@@ -255,7 +278,7 @@ def draft_memory_args(target_dir, draft, e) -> List[str]:
     return eval_kv_args(target_cfg, draft_cfg, e.tp_size)
 
 
-def decode_sglang(url, prompt_sets, tokenizer, stop, e) -> Dict[str, List[ev.DecodeStats]]:
+def decode_sglang(url, prompt_sets, tokenizer, stop, e, journal, keys) -> Dict[str, List[ev.DecodeStats]]:
     import urllib.request
 
     def gen(ids):
@@ -270,7 +293,8 @@ def decode_sglang(url, prompt_sets, tokenizer, stop, e) -> Dict[str, List[ev.Dec
         c = ev.sglang_counters(resp, e.num_steps)
         c["engine_tokens"] = c["completion_tokens"]
         return c["output_ids"], secs, c
-    return {name: decode_prompts(ps, tokenizer, gen, name, stop) for name, ps in prompt_sets.items()}
+    return {name: decode_prompts(ps, tokenizer, gen, name, stop, journal, keys[name])
+            for name, ps in prompt_sets.items()}
 
 
 # --------------------------------------------------------------------------------------------
@@ -288,6 +312,26 @@ def _pkg_version(name: str) -> str:
         return version(name)
     except PackageNotFoundError:
         return "not installed here"
+
+
+def journal_for(e, dtype_name: str, target_fingerprint: str, stop: List[int], out_dir: Path) -> Tuple[Journal, Key]:
+    """The journal of out_dir, and the key of a configuration: everything its counts and timings
+    depend on (settings, target, where it runs and with which packages), the drafter's bytes, the
+    prompt set and the chain length (eagle3/eval_journal.py)."""
+    import torch
+    if e.backend == "sglang" and e.server_url:
+        host = e.server_url
+    else:
+        host = torch.cuda.get_device_name() if torch.cuda.is_available() else ev.host_cpu()
+    fixed = {"backend": e.backend, "target": target_fingerprint, "dtype": dtype_name,
+             "max_new_tokens": e.max_new_tokens, "stop": list(stop), "topk": e.topk, "temperature": e.temperature,
+             "tp_size": e.tp_size, "server_args": list(e.server_args), "host": host,
+             "packages": {p: _pkg_version(p) for p in ("torch", "transformers", "vllm", "sglang")}}
+
+    def key(d, name, k):
+        return dict(fixed, drafter=[d["name"], d["digest"]] if d is not None else None, prompts=name, chain=k,
+                    num_draft_tokens=at_chain(e, k).num_draft_tokens if k is not None else None)
+    return Journal(out_dir), key
 
 
 def drafter_name(path: str) -> str:
@@ -312,7 +356,8 @@ def prepare_drafters(paths: List[str], backend: str, info) -> List[dict]:
         while name in names:
             name += "'"
         names.add(name)
-        out.append({"name": name, "path": str(path), "export": export, "aux_layers": aux, "t2d": tensors.get("t2d")})
+        out.append({"name": name, "path": str(path), "export": export, "aux_layers": aux, "t2d": tensors.get("t2d"),
+                    "digest": export_digest(export)})
     return out
 
 
@@ -346,8 +391,10 @@ def evaluate(c: Config) -> Dict[str, Path]:
         raise ValueError(f"eval.reference {e.reference!r} is none of the drafters {[d['name'] for d in drafters]}")
     out_dir = Path(e.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    journal, key = journal_for(e, t.dtype, info.fingerprint, stop, out_dir)
     if e.backend == "hf":
-        base, spec, versions = run_hf(e, target_dir, t.dtype, drafters, prompt_sets, tokenizer, stop, chains)
+        base, spec, versions = run_hf(e, target_dir, t.dtype, drafters, prompt_sets, tokenizer, stop, chains,
+                                      journal, key)
     elif e.backend == "replay":
         base, spec, versions = run_replay(e, target_dir, t.dtype, drafters, prompt_sets, tokenizer, stop, chains)
     elif e.backend == "vllm":
@@ -356,10 +403,13 @@ def evaluate(c: Config) -> Dict[str, Path]:
         turns = 1 + max(len(p.followups) for ps in prompt_sets.values() for p in ps)
         max_len = min(info.max_position_embeddings or 1 << 30, longest + turns * e.max_new_tokens + max(chains) + 64)
         base, spec, versions = run_vllm(e, target_dir, t.dtype, max_len, drafters, prompt_sets, tokenizer, stop,
-                                        chains)
+                                        chains, journal, key)
     else:
         base, spec, versions = run_sglang(e, target_dir, t.trust_remote_code, drafters, prompt_sets,
-                                          tokenizer, stop, out_dir, chains)
+                                          tokenizer, stop, out_dir, chains, journal, key)
+    if journal.reused:
+        print(f"[eval] {journal.reused} prompt decodes taken from {journal.path} (delete it to decode anew)",
+              file=sys.stderr)
     rule = "sglang" if e.backend == "sglang" else "vllm"
     records = ev.per_prompt_records(base, spec, rule)
     with open(out_dir / "per_prompt.jsonl", "w") as f:

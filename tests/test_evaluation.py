@@ -81,6 +81,48 @@ def test_two_turn_decode_follows_the_models_own_answer(monkeypatch):
     assert st[0].accepted_per_pos == [2, 0]
 
 
+def test_a_stopped_decode_goes_on_from_its_journal(tmp_path, monkeypatch):
+    """decoded.jsonl: a run stopped at the third prompt keeps the first two; the rerun decodes only
+    the rest and ends with what one uninterrupted run gives. Another drafter, or a prompt whose
+    text changed, is decoded again; a half-written last line is skipped."""
+    from eagle3.eval_journal import Journal
+    from evaluate import decode_prompts
+    monkeypatch.setattr(chat, "render_prompt", lambda t, messages: [len(messages[-1]["content"])])
+    prompts = [ev.Prompt(str(i), [{"role": "user", "content": "q" * (i + 1)}], category="math") for i in range(5)]
+    calls = []
+
+    def gen(ids, stop_at=None):
+        if len(calls) == stop_at:
+            raise KeyboardInterrupt
+        calls.append(ids[0])
+        return [7] * ids[0] + [9], 0.1 * ids[0], {"drafts": ids[0], "accepted": ids[0] - 1, "per_pos": [ids[0] - 1]}
+
+    cfg = {"drafter": ["a", "0" * 64], "chain": 3}
+    whole = decode_prompts(prompts, None, gen, "t", [9], Journal(tmp_path / "whole"), cfg)
+    assert calls == [1, 2, 3, 4, 5]
+    calls.clear()
+    with pytest.raises(KeyboardInterrupt):
+        decode_prompts(prompts, None, lambda ids: gen(ids, stop_at=2), "t", [9], Journal(tmp_path / "cut"), cfg)
+    assert len((tmp_path / "cut" / "decoded.jsonl").read_text().splitlines()) == 2
+    calls.clear()
+    journal = Journal(tmp_path / "cut")
+    again = decode_prompts(prompts, None, gen, "t", [9], journal, cfg)
+    assert calls == [3, 4, 5] and journal.reused == 2 and again == whole
+    calls.clear()
+    decode_prompts(prompts, None, gen, "t", [9], Journal(tmp_path / "cut"), dict(cfg, drafter=["a", "1" * 64]))
+    assert calls == [1, 2, 3, 4, 5]
+    calls.clear()
+    with open(tmp_path / "cut" / "decoded.jsonl", "a") as f:
+        f.write('{"key": "half a li')
+    changed = prompts[:4] + [ev.Prompt("4", [{"role": "user", "content": "q" * 8}], category="math")]
+    journal = Journal(tmp_path / "cut")
+    decode_prompts(changed, None, gen, "t", [9], journal, cfg)
+    assert calls == [8] and journal.reused == 4
+    journal = Journal(tmp_path / "cut")
+    decode_prompts(changed, None, gen, "t", [9], journal, cfg)
+    assert journal.reused == 5
+
+
 # ---------------------------------------------------------------------------------------------
 # check_drafter_fits
 
@@ -350,6 +392,11 @@ def test_evaluate_hf_end_to_end(tmp_path):
     assert md.count("tau per MT-Bench category") == 2 and md.count("Paired against the reference") == 2
     for png in ("tau.png", "acceptance.png", "categories.png", "paired.png"):
         assert (out / png).exists() and f"({png})" in md
+    # the same command again decodes nothing: every prompt of every configuration is in decoded.jsonl
+    r = subprocess.run(r.args, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"[eval] 20 prompt decodes taken from {out / 'decoded.jsonl'}" in r.stderr
+    assert json.loads((out / "report.json").read_text())["results"] == rep["results"]
 
 
 def test_evaluate_without_baseline_decodes_only_the_drafters(tmp_path):

@@ -153,7 +153,7 @@ def drafter_dir(tmp_path_factory):
     return fit_memorizing_drafter(tmp_path_factory.mktemp("memorizer"), steps=40)   # its losses settle by step 30
 
 
-def _evaluate(backend, drafters, out, extra=(), num_prompts=NUM_PROMPTS, max_new=MAX_NEW):
+def _evaluate(backend, drafters, out, extra=(), num_prompts=NUM_PROMPTS, max_new=MAX_NEW, log=None):
     cmd = [sys.executable, "evaluate.py", "+experiment=smollm2", f"run_dir={out}/run", f"eval.backend={backend}",
            f"eval.drafters=[{','.join(str(d) for d in drafters)}]", "eval.prompts=[mt_bench]",
            f"eval.num_prompts={num_prompts}", f"eval.max_new_tokens={max_new}", f"eval.num_steps={K}",
@@ -161,6 +161,8 @@ def _evaluate(backend, drafters, out, extra=(), num_prompts=NUM_PROMPTS, max_new
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200, env=env)
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-4000:])
+    if log is not None:
+        log.append(r.stdout + r.stderr)
     return json.loads((Path(out) / "report.json").read_text())
 
 
@@ -294,8 +296,16 @@ def test_the_committed_drafter_is_accepted_in_vllm_in_bf16(tmp_path):
     serves it by default (bf16): read with its trained aux layers and accepted well above chance
     (a drafter whose drafts were all refused scores tau 1)."""
     src = ROOT / "results" / "smollm2-drafter" / "export" / "vllm"
-    good = _evaluate("vllm", [src], tmp_path / "out", ["eval.baseline=false"])["results"][0]
+    logs = []
+    good = _evaluate("vllm", [src], tmp_path / "out", ["eval.baseline=false"], log=logs)["results"][0]
     print(f"\ncommitted tau {good['tau']:.3f} acc {good['accept_per_position']} drafts {good['num_drafts']}")
     assert good["engine_aux_layers"] == good["aux_layers"] == [2, 15, 27]
     assert good["tau"] > 1.3
     assert good["accept_per_position"][0] > 0.3
+    # Rerun into the same out_dir: every decode and the layers vLLM captured come from decoded.jsonl,
+    # so no engine starts and the report is the same.
+    (tmp_path / "out" / "report.json").unlink()
+    again = _evaluate("vllm", [src], tmp_path / "out", ["eval.baseline=false"], log=logs)["results"][0]
+    assert again == good and f"[eval] {NUM_PROMPTS} prompt decodes taken from" in logs[1]
+    engine_start = "Initializing a V1 LLM engine"
+    assert engine_start in logs[0] and engine_start not in logs[1]
