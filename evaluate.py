@@ -30,7 +30,7 @@ import hydra
 from eagle3 import chat, evaluation as ev
 from eagle3 import judging
 from eagle3.config import Config, register, to_config
-from eagle3.eval_journal import Journal, export_digest
+from eagle3.eval_journal import Journal
 
 register()
 
@@ -184,7 +184,7 @@ def run_vllm(e, target_dir, dtype_name, max_model_len, drafters, prompt_sets, to
                   gpu_memory_utilization=0.85 if on_gpu else 0.25,
                   enforce_eager=not on_gpu, disable_log_stats=False, seed=0)
 
-    def decode_all(llm, drafter, k) -> Dict[str, List[ev.DecodeStats]]:
+    def decode_all(llm, keys) -> Dict[str, List[ev.DecodeStats]]:
         def gen(ids):
             before = ev.vllm_counters(llm.get_metrics())
             t0 = time.perf_counter()
@@ -192,15 +192,16 @@ def run_vllm(e, target_dir, dtype_name, max_model_len, drafters, prompt_sets, to
             secs = time.perf_counter() - t0
             c = ev.vllm_delta(before, ev.vllm_counters(llm.get_metrics()))
             return list(res[0].outputs[0].token_ids), secs, c
-        return {name: decode_prompts(ps, tokenizer, gen, name, stop, journal, key(drafter, name, k))
+        return {name: decode_prompts(ps, tokenizer, gen, name, stop, journal, keys[name])
                 for name, ps in prompt_sets.items()}
 
     def with_llm(drafter=None, k=None, **kw):
+        keys = {name: key(drafter, name, k) for name in prompt_sets}
         seen = journal.get_meta(key(drafter, None, k)) if drafter is not None else {}
-        if seen is not None and all(journal.complete(key(drafter, name, k), ps) for name, ps in prompt_sets.items()):
+        if seen is not None and journal.complete(keys, prompt_sets):
             if drafter is not None:
                 drafter["engine_aux_layers"] = seen["engine_aux_layers"]
-            return decode_all(None, drafter, k)          # every prompt from the journal: no engine
+            return decode_all(None, keys)          # every prompt from the journal: no engine
         llm = LLM(**common, **kw)
         try:
             if drafter is not None:
@@ -211,7 +212,7 @@ def run_vllm(e, target_dir, dtype_name, max_model_len, drafters, prompt_sets, to
                     print(f"[eval] WARNING: vLLM captures the residual stream entering layers "
                           f"{drafter['engine_aux_layers']} but drafter {drafter['name']} was trained on "
                           f"{drafter['aux_layers']}: its acceptance will suffer", file=sys.stderr)
-            return decode_all(llm, drafter, k)
+            return decode_all(llm, keys)
         finally:
             del llm
             gc.collect()
@@ -240,7 +241,7 @@ def run_sglang(e, target_dir, trust_remote_code, drafters, prompt_sets, tokenize
 
     def serve(d, k, tag, e=e) -> Dict[str, List[ev.DecodeStats]]:
         keys = {name: key(d, name, k) for name in prompt_sets}
-        if e.server_url or all(journal.complete(keys[name], ps) for name, ps in prompt_sets.items()):
+        if e.server_url or journal.complete(keys, prompt_sets):
             return decode_sglang(e.server_url.rstrip("/"), prompt_sets, tokenizer, stop, e, journal, keys)
         draft = d["export"] if d is not None else None
         port = srv.free_port()
@@ -316,9 +317,11 @@ def _pkg_version(name: str) -> str:
 
 def journal_for(e, dtype_name: str, target_fingerprint: str, stop: List[int], out_dir: Path) -> Tuple[Journal, Key]:
     """The journal of out_dir, and the key of a configuration: everything its counts and timings
-    depend on (settings, target, where it runs and with which packages), the drafter's bytes, the
+    depend on (settings, target, where it runs and with which packages), the drafter's weights, the
     prompt set and the chain length (eagle3/eval_journal.py)."""
     import torch
+
+    from eagle3.targets import fingerprint
     if e.backend == "sglang" and e.server_url:
         host = e.server_url
     else:
@@ -329,7 +332,8 @@ def journal_for(e, dtype_name: str, target_fingerprint: str, stop: List[int], ou
              "packages": {p: _pkg_version(p) for p in ("torch", "transformers", "vllm", "sglang")}}
 
     def key(d, name, k):
-        return dict(fixed, drafter=[d["name"], d["digest"]] if d is not None else None, prompts=name, chain=k,
+        return dict(fixed, drafter=[d["name"], fingerprint(Path(d["export"]))] if d is not None else None,
+                    prompts=name, chain=k,
                     num_draft_tokens=at_chain(e, k).num_draft_tokens if k is not None else None)
     return Journal(out_dir), key
 
@@ -356,8 +360,7 @@ def prepare_drafters(paths: List[str], backend: str, info) -> List[dict]:
         while name in names:
             name += "'"
         names.add(name)
-        out.append({"name": name, "path": str(path), "export": export, "aux_layers": aux, "t2d": tensors.get("t2d"),
-                    "digest": export_digest(export)})
+        out.append({"name": name, "path": str(path), "export": export, "aux_layers": aux, "t2d": tensors.get("t2d")})
     return out
 
 

@@ -2,8 +2,8 @@
 
 `<eval.out_dir>/decoded.jsonl` gets one line per prompt as soon as it is decoded (flushed and
 fsynced): {"key": ..., "stats": DecodeStats}. A key names everything the counts depend on: the
-backend and its settings, the target's fingerprint, the drafter export's bytes, the chain length,
-the prompt set and the prompt's own text. A rerun into the same out_dir reads the lines whose key
+backend and its settings, the target's fingerprint, the drafter export's (eagle3.targets.fingerprint),
+the chain length, the prompt set and the prompt's own text. A rerun into the same out_dir reads the lines whose key
 matches and decodes only the rest; a line of another drafter, chain or prompt text is never
 reused, so changing any of them decodes again. A configuration whose prompts are all there starts
 no engine. Delete the file (or pick another out_dir) to decode everything anew.
@@ -21,17 +21,6 @@ from typing import Dict, Optional
 from eagle3.evaluation import DecodeStats, Prompt
 
 FILE = "decoded.jsonl"
-
-
-def export_digest(export: Path) -> str:
-    """sha256 over the names and bytes of every file of a drafter export dir."""
-    h = hashlib.sha256()
-    for f in sorted(p for p in Path(export).iterdir() if p.is_file()):
-        h.update(f.name.encode() + b"\0")
-        with open(f, "rb") as fh:
-            for block in iter(lambda: fh.read(1 << 20), b""):
-                h.update(block)
-    return h.hexdigest()
 
 
 def prompt_digest(p: Prompt) -> str:
@@ -72,8 +61,9 @@ class Journal:
         self.reused += st is not None
         return st
 
-    def complete(self, config: dict, prompts) -> bool:
-        return all(self.key(config, p) in self.done for p in prompts)
+    def complete(self, configs: Dict[str, dict], prompt_sets: Dict[str, list]) -> bool:
+        """Whether every prompt of every set is held, set name -> its config in `configs`."""
+        return all(self.key(configs[name], p) in self.done for name, ps in prompt_sets.items() for p in ps)
 
     def add(self, config: dict, prompt: Prompt, st: DecodeStats) -> None:
         k = self.key(config, prompt)
