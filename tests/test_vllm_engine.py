@@ -199,11 +199,6 @@ def test_hf_and_vllm_agree_on_tau_and_on_the_layer_ids(drafter_dir, tmp_path):
         assert vl["tau"] - sh["tau"] > 2 * TAU_TOL         # ... and served blind
 
 
-@pytest.fixture(scope="module")
-def norms_drafter_dir(tmp_path_factory):
-    return fit_memorizing_drafter(tmp_path_factory.mktemp("memorizer_norms"), fc_norm=True, norm_output=True)
-
-
 def without_norms(export_dir: Path, out: Path) -> Path:
     """The same weights as an engine that ignored EAGLE-3.1's norms would run them: no fc_norm
     weights, both flags off (written by hand: export_drafter refuses to write such a thing)."""
@@ -217,37 +212,12 @@ def without_norms(export_dir: Path, out: Path) -> Path:
     return out
 
 
-def test_vllm_applies_the_eagle31_norms(norms_drafter_dir, tmp_path):
-    """A drafter with fc_norm and norm_output (each aux state normed before fc; the next draft step
-    reads norm(h_out)), fitted like the fixture above: vLLM must accept its drafts as the hf
-    reference does, and clearly more often than the hf reference accepts the same weights run as
-    an engine that ignored fc_norm (both norms off) or norm_output alone would run them. Both
-    engines run the target in fp32 (see the two-layer test below)."""
-    cfg = json.loads((norms_drafter_dir / "config.json").read_text())
-    assert cfg["fc_norm"] is True and cfg["norm_output"] is True
-    ignored = without_norms(norms_drafter_dir, tmp_path / "ignored" / "vllm")
-    no_output = tmp_path / "no_norm_output" / "vllm"
-    shutil.copytree(norms_drafter_dir, no_output)
-    (no_output / "config.json").write_text(json.dumps({**cfg, "norm_output": False}, indent=2))
-    hf, hf_ignored, hf_no_output = _evaluate("hf", [norms_drafter_dir, ignored, no_output], tmp_path / "hf",
-                                             ["target.dtype=float32"])["results"]
-    vl = _evaluate("vllm", [norms_drafter_dir], tmp_path / "vllm",
-                   ["eval.baseline=false", "target.dtype=float32"])["results"][0]
-    for name, r in (("hf", hf), ("vllm", vl), ("hf, norms ignored", hf_ignored),
-                    ("hf, norm_output ignored", hf_no_output)):
-        print(f"\n{name}: tau {r['tau']:.3f} acc {r['accept_per_position']}", end="")
-    assert hf["tau"] > 1.3
-    assert abs(hf["tau"] - vl["tau"]) <= TAU_TOL
-    for a, b in zip(hf["accept_per_position"], vl["accept_per_position"]):
-        assert abs(a - b) <= 0.15
-    assert vl["tau"] - hf_ignored["tau"] > 2 * TAU_TOL
-    assert vl["tau"] - hf_no_output["tau"] > 2 * TAU_TOL
-
-
-@pytest.fixture(scope="module")
-def two_layer_drafter_dir(tmp_path_factory):
-    return fit_memorizing_drafter(tmp_path_factory.mktemp("memorizer_layers2"), num_layers=2, fc_norm=True,
-                                  norm_output=True)
+def without_norm_output(export_dir: Path, out: Path) -> Path:
+    """The same weights as an engine that applied fc_norm but not norm_output would run them."""
+    cfg = json.loads((export_dir / "config.json").read_text())
+    shutil.copytree(export_dir, out)
+    (out / "config.json").write_text(json.dumps({**cfg, "norm_output": False}, indent=2))
+    return out
 
 
 def first_layer_only(export_dir: Path, out: Path) -> Path:
@@ -263,29 +233,53 @@ def first_layer_only(export_dir: Path, out: Path) -> Path:
     return out
 
 
-def test_vllm_runs_every_layer_of_a_two_layer_drafter(two_layer_drafter_dir, tmp_path):
-    """A drafter of two decoder layers with EAGLE-3.1's norms, fitted like the fixtures above: vLLM
-    must accept its drafts as the hf reference does, prompt by prompt closer to the two layers than
-    to the first layer alone (what an engine that dropped the second would run). Both engines run
-    the target in fp32, so that they verify the same greedy text as the one the drafter was fitted to
-    (in bf16 the engines' greedy answers part on a CPU with bf16 matrix units)."""
-    cfg = json.loads((two_layer_drafter_dir / "config.json").read_text())
-    assert cfg["num_hidden_layers"] == 2
-    one = first_layer_only(two_layer_drafter_dir, tmp_path / "one_layer" / "vllm")
-    hf, hf_one = _evaluate("hf", [two_layer_drafter_dir, one], tmp_path / "hf", ["target.dtype=float32"])["results"]
-    vl = _evaluate("vllm", [two_layer_drafter_dir], tmp_path / "vllm",
-                   ["eval.baseline=false", "target.dtype=float32"])["results"][0]
-    for name, r in (("hf", hf), ("vllm", vl), ("hf, first layer only", hf_one)):
-        print(f"\n{name}: tau {r['tau']:.3f} acc {r['accept_per_position']}", end="")
+@pytest.fixture(scope="module")
+def eagle31(tmp_path_factory):
+    """A drafter of two decoder layers with EAGLE-3.1's fc_norm and norm_output (each aux state
+    normed before fc; the next draft step reads norm(h_out)), fitted like the fixture above, served
+    by vLLM; and the hf reference of it and of the same weights as three wrong engines would run
+    them: norms ignored, norm_output ignored, the second layer dropped. One fit and one run of each
+    decoder serve the two tests below. Both engines run the target in fp32, so that they verify the
+    same greedy text as the one the drafter was fitted to (in bf16 the engines' greedy answers part
+    on a CPU with bf16 matrix units)."""
+    root = tmp_path_factory.mktemp("memorizer_eagle31")
+    drafter = fit_memorizing_drafter(root, num_layers=2, fc_norm=True, norm_output=True)
+    cfg = json.loads((drafter / "config.json").read_text())
+    assert cfg["fc_norm"] is True and cfg["norm_output"] is True and cfg["num_hidden_layers"] == 2
+    wrong = [without_norms(drafter, root / "ignored" / "vllm"),
+             without_norm_output(drafter, root / "no_norm_output" / "vllm"),
+             first_layer_only(drafter, root / "one_layer" / "vllm")]
+    hf = _evaluate("hf", [drafter, *wrong], root / "hf", ["target.dtype=float32"])["results"]
+    vl = _evaluate("vllm", [drafter], root / "vllm", ["eval.baseline=false", "target.dtype=float32"])["results"][0]
+    runs = dict(zip(["hf", "hf_ignored", "hf_no_output", "hf_one"], hf), vllm=vl, root=root)
+    for name in ("hf", "vllm", "hf_ignored", "hf_no_output", "hf_one"):
+        print(f"\n{name}: tau {runs[name]['tau']:.3f} acc {runs[name]['accept_per_position']}", end="")
+    return runs
+
+
+def test_vllm_applies_the_eagle31_norms(eagle31):
+    """vLLM must accept the drafts as the hf reference does, and clearly more often than the hf
+    reference accepts the same weights run as an engine that ignored fc_norm (both norms off) or
+    norm_output alone would run them."""
+    hf, vl = eagle31["hf"], eagle31["vllm"]
     assert hf["tau"] > 1.3
     assert abs(hf["tau"] - vl["tau"]) <= TAU_TOL
     for a, b in zip(hf["accept_per_position"], vl["accept_per_position"]):
         assert abs(a - b) <= 0.15
+    assert vl["tau"] - eagle31["hf_ignored"]["tau"] > 2 * TAU_TOL
+    assert vl["tau"] - eagle31["hf_no_output"]["tau"] > 2 * TAU_TOL
+
+
+def test_vllm_runs_every_layer_of_a_two_layer_drafter(eagle31):
+    """vLLM's acceptance, prompt by prompt, is closer to the hf reference of the two layers than
+    to that of the first layer alone (what an engine that dropped the second would run)."""
+    root = eagle31["root"]
 
     def gap(a, b):
         return sum(abs(a[p] - b[p]) for p in a)
-    both, first = per_prompt_tau(tmp_path / "hf", hf["drafter"]), per_prompt_tau(tmp_path / "hf", hf_one["drafter"])
-    served = per_prompt_tau(tmp_path / "vllm", vl["drafter"])
+    both = per_prompt_tau(root / "hf", eagle31["hf"]["drafter"])
+    first = per_prompt_tau(root / "hf", eagle31["hf_one"]["drafter"])
+    served = per_prompt_tau(root / "vllm", eagle31["vllm"]["drafter"])
     print(f"\nper-prompt gap of vllm to both layers {gap(served, both):.3f}, to the first alone {gap(served, first):.3f}")
     assert both != first                       # the second layer changes what is accepted on these prompts
     assert gap(served, both) < gap(served, first)
