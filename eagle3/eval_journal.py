@@ -2,10 +2,10 @@
 
 `<eval.out_dir>/decoded.jsonl` gets one line per prompt as soon as it is decoded (flushed and
 fsynced): {"key": ..., "stats": DecodeStats}. A key names everything the counts depend on: the
-backend and its settings, the target's fingerprint, the drafter export's (eagle3.targets.fingerprint),
-the chain length, the prompt set and the prompt's own text. A rerun into the same out_dir reads the lines whose key
-matches and decodes only the rest; a line of another drafter, chain or prompt text is never
-reused, so changing any of them decodes again. A configuration whose prompts are all there starts
+backend and its settings, the target's and the drafter export's fingerprints
+(eagle3.targets.fingerprint), the chain length, the prompt set and the prompt's own text. A rerun
+into the same out_dir reads the lines whose key matches and decodes only the rest; a line of
+another drafter, chain or prompt text is never reused, so changing any of them decodes again. A configuration whose prompts are all there starts
 no engine. Delete the file (or pick another out_dir) to decode everything anew.
 """
 from __future__ import annotations
