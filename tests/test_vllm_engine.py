@@ -12,7 +12,6 @@ is judged on another. Batch size is 1 in both, so batching does not enter.
 """
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -199,37 +198,17 @@ def test_hf_and_vllm_agree_on_tau_and_on_the_layer_ids(drafter_dir, tmp_path):
         assert vl["tau"] - sh["tau"] > 2 * TAU_TOL         # ... and served blind
 
 
-def without_norms(export_dir: Path, out: Path) -> Path:
-    """The same weights as an engine that ignored EAGLE-3.1's norms would run them: no fc_norm
-    weights, both flags off (written by hand: export_drafter refuses to write such a thing)."""
+def misread(export_dir: Path, out: Path, drop: str = "", **config) -> Path:
+    """The same weights as a wrong engine would run them: the tensors whose names start with `drop`
+    left out and `config` written over config.json (by hand: export_drafter refuses to write such
+    a thing, or writes only what the drafter holds)."""
     from safetensors.torch import save_file
     from eagle3.export import load_export
 
     tensors, cfg = load_export(export_dir)
     out.mkdir(parents=True)
-    save_file({k: v for k, v in tensors.items() if not k.startswith("fc_norm.")}, str(out / "model.safetensors"))
-    (out / "config.json").write_text(json.dumps({**cfg, "fc_norm": False, "norm_output": False}, indent=2))
-    return out
-
-
-def without_norm_output(export_dir: Path, out: Path) -> Path:
-    """The same weights as an engine that applied fc_norm but not norm_output would run them."""
-    cfg = json.loads((export_dir / "config.json").read_text())
-    shutil.copytree(export_dir, out)
-    (out / "config.json").write_text(json.dumps({**cfg, "norm_output": False}, indent=2))
-    return out
-
-
-def first_layer_only(export_dir: Path, out: Path) -> Path:
-    """The same weights as an engine that built one decoder layer would run them: layer 1's tensors
-    dropped and num_hidden_layers 1 (written by hand: export_drafter writes what the drafter holds)."""
-    from safetensors.torch import save_file
-    from eagle3.export import load_export
-
-    tensors, cfg = load_export(export_dir)
-    out.mkdir(parents=True)
-    save_file({k: v for k, v in tensors.items() if not k.startswith("layers.")}, str(out / "model.safetensors"))
-    (out / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 1}, indent=2))
+    save_file({k: v for k, v in tensors.items() if not (drop and k.startswith(drop))}, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps({**cfg, **config}, indent=2))
     return out
 
 
@@ -246,9 +225,9 @@ def eagle31(tmp_path_factory):
     drafter = fit_memorizing_drafter(root, num_layers=2, fc_norm=True, norm_output=True)
     cfg = json.loads((drafter / "config.json").read_text())
     assert cfg["fc_norm"] is True and cfg["norm_output"] is True and cfg["num_hidden_layers"] == 2
-    wrong = [without_norms(drafter, root / "ignored" / "vllm"),
-             without_norm_output(drafter, root / "no_norm_output" / "vllm"),
-             first_layer_only(drafter, root / "one_layer" / "vllm")]
+    wrong = [misread(drafter, root / "ignored" / "vllm", "fc_norm.", fc_norm=False, norm_output=False),
+             misread(drafter, root / "no_norm_output" / "vllm", norm_output=False),
+             misread(drafter, root / "one_layer" / "vllm", "layers.", num_hidden_layers=1)]
     hf = _evaluate("hf", [drafter, *wrong], root / "hf", ["target.dtype=float32"])["results"]
     vl = _evaluate("vllm", [drafter], root / "vllm", ["eval.baseline=false", "target.dtype=float32"])["results"][0]
     runs = dict(zip(["hf", "hf_ignored", "hf_no_output", "hf_one"], hf), vllm=vl, root=root)
