@@ -20,13 +20,15 @@ its run directory WORK/runs/NAME:
     long_*         several epochs over all answers; long_norms_ttt4_b32_e12_g32 is the committed drafter's
                    recipe; long_init_v12288_e5 goes on from its export with a 12,288-token draft vocab
                    (five epochs), long_init_v32768_e3 with 32,768 tokens (three epochs over the first
-                   12,288 conversations)
+                   12,288 conversations), long_init_v32768_e3_all from that one (three epochs over
+                   every answered conversation)
     abl_*          ablations: one technique each against abl_base, on identical data and steps (the
                    first 4,096 conversations, two epochs of batch 16): the loss (lk, lk_alpha, tv,
                    jsd; kl has soft_ce's gradient), EAGLE-3.1's norms, TTT step weights (uniform,
                    0.6^s) and length, draft vocab 8,192, the head warm-started from the target's,
                    four epochs, a 2x and a 4x wider MLP, a second decoder layer (each also with
-                   the norms), only each conversation's first turn
+                   the norms), only each conversation's first turn, the top aux layer moved
+                   from 27 to 29 (with the norms)
     fmt_*          the ablation recipe trained offline from full and from compact features (capture.format);
                    the pair, from eval_ablations' output: python -m eagle3.judging
                    WORK/runs/eval_ablations/eval --reference fmt_full
@@ -134,7 +136,10 @@ LONG["long_norms_ttt4_b32_e12_g32"] = [*_NORMS, "train.epochs=12", "train.ttt_st
 INIT = {"long_init_v12288_e5": ("long_norms_ttt4_b32_e12_g32", 0,
                                 ["drafter.draft_vocab_size=12288", "train.epochs=5", "optim.lr=1e-3"]),
         "long_init_v32768_e3": ("long_norms_ttt4_b32_e12_g32", 12288,
-                                ["drafter.draft_vocab_size=32768", "train.epochs=3", "optim.lr=1e-3"])}
+                                ["drafter.draft_vocab_size=32768", "train.epochs=3", "optim.lr=1e-3"]),
+        # a third stage: the 32,768-token drafter, three more epochs over every answered conversation
+        "long_init_v32768_e3_all": ("long_init_v32768_e3", 0,
+                                    ["drafter.draft_vocab_size=32768", "train.epochs=3", "optim.lr=1e-3"])}
 
 # ablations: the first ABL_CONVERSATIONS conversations of the answer file, two epochs of batch 16
 ABL_CONVERSATIONS = 4096
@@ -156,7 +161,9 @@ ABLATE = {"abl_base": [],
           "abl_layers2": ["drafter.num_layers=2"],
           "abl_norms_mlp4x": ["drafter.fc_norm=true", "drafter.norm_output=true", "drafter.intermediate_size=6144"],
           "abl_norms_layers2": ["drafter.fc_norm=true", "drafter.norm_output=true", "drafter.num_layers=2"],
-          "abl_turn1": ["data.turns=1"]}
+          "abl_turn1": ["data.turns=1"],
+          # the norms with the top aux layer at the last decoder layer's input instead of n-3 = 27
+          "abl_norms_top29": ["drafter.fc_norm=true", "drafter.norm_output=true", "aux_layers=[2,15,29]"]}
 # the feature format: the ablation recipe trained offline from a full and from a compact feature
 # dataset of the same samples (same seed and steps)
 FORMATS = {"fmt_full": "full", "fmt_compact": "compact"}

@@ -57,6 +57,13 @@ def test_every_dependency_is_a_job_and_the_committed_recipe_is_the_documented_on
     assert {f"drafter.init_from={tmp_path / 'runs' / 'long_norms_ttt4_b32_e12_g32'}", "drafter.draft_vocab_size=32768",
             "train.epochs=3", "optim.lr=1e-3", "data.num_samples=12288", "capture.regenerate=false"} <= set(cmd)
     assert sum(a.startswith("data.num_samples=") for a in cmd) == 1
+    # the third stage starts from the second and reads every answered conversation
+    fourth = jobs["long_init_v32768_e3_all"]
+    assert fourth.deps == ["long_init_v32768_e3"]
+    cmd = fourth.cmd()
+    assert {f"drafter.init_from={tmp_path / 'runs' / 'long_init_v32768_e3'}", "drafter.draft_vocab_size=32768",
+            "train.epochs=3", "data.num_samples=0"} <= set(cmd)
+    assert sum(a.startswith("data.num_samples=") for a in cmd) == 1
     # each ablation is abl_base's command plus its own overrides: identical data, batch and steps
     from reproduce_smollm2 import ABLATE
     base = jobs["abl_base"].cmd()
