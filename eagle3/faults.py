@@ -4,6 +4,7 @@
     python -m eagle3.faults --runs 30 --kills 3 --seed 1 --out table.md   # the docs/reliability.md table
     python -m eagle3.faults --kinds train --runs 1 --delay 9.3      # replay one run (delays from the log)
     python -m eagle3.faults --kinds capture --runs 1 --delay 0.4 1.2 --from-write
+    python -m eagle3.faults --kinds train --runs 1 --delay 9.3 0.8 --from-write 0 1   # the first from the start
     python -m eagle3.faults --summarize WORK/results.jsonl          # the table of a run so far
 
 Each kind runs once uninterrupted (the reference), then `runs` times: start the job, SIGKILL its
@@ -46,7 +47,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 from safetensors.torch import load_file
@@ -73,7 +74,8 @@ class Outcome:
     kind: str
     index: int
     delays: List[float]                # one per kill, in seconds
-    from_write: bool = False           # delays counted from each attempt's first write, not its start
+    from_write: Union[bool, List[bool]] = False   # delays counted from each attempt's first write, not its
+                                                  # start (a list: per kill)
     kills: int = 0                     # kills that found the job still running
     after_commit: int = 0              # ... of them, kills that found something committed (a shard, chunk, checkpoint)
     survived: bool = False
@@ -274,12 +276,16 @@ class Harness:
             self.spans[kind, False], self.spans[kind, True] = t, max(t - w, 0.1)
         return self.spans[kind, from_write]
 
-    def one(self, kind: str, index: int, draws: List[float], from_write: bool = False,
+    def one(self, kind: str, index: int, draws: List[float], from_write: Union[bool, Sequence[bool]] = False,
             seconds: bool = False) -> Outcome:
         """Kill the job after each delay in turn (each attempt resuming the last), then rerun it to
-        completion and compare. draws: fractions of the job's span (see `spans`), or seconds."""
-        delays = [x if seconds else x * self.span(kind, from_write) for x in draws]
-        o = Outcome(kind, index, [round(x, 3) for x in delays], from_write)
+        completion and compare. draws: fractions of the job's span (see `spans`), or seconds;
+        from_write: for every kill, or one per kill."""
+        modes = [from_write] * len(draws) if isinstance(from_write, bool) else [bool(m) for m in from_write]
+        if len(modes) != len(draws):
+            raise ValueError(f"{len(draws)} delays but {len(modes)} from-write modes")
+        delays = [x if seconds else x * self.span(kind, m) for x, m in zip(draws, modes)]
+        o = Outcome(kind, index, [round(x, 3) for x in delays], from_write if isinstance(from_write, bool) else modes)
         d = self.work / f"{kind}_{index:04d}"
         shutil.rmtree(d, ignore_errors=True)
         d.mkdir(parents=True)
@@ -288,10 +294,10 @@ class Harness:
         job.before()
         for i, delay in enumerate(delays):
             landed, lasted = self.kill_after(job.first if i == 0 else job.again, delay, log,
-                                             job.watch if from_write else None)
+                                             job.watch if modes[i] else None)
             if not landed:                                  # it finished first: nothing left to kill
                 if i == 0:
-                    self.spans[kind, from_write] = max(lasted, 0.1)
+                    self.spans[kind, modes[0]] = max(lasted, 0.1)
                 o.delays = o.delays[:i + 1]
                 break
             o.kills += 1
@@ -397,6 +403,14 @@ def draw_delays(seed: int, kind: str, runs: int, kills: int = 1) -> List[tuple]:
     return [([rng.random() for _ in range(kills)], i % 2 == 1) for i in range(runs)]
 
 
+def replay_command(o: Outcome) -> str:
+    """The command that replays one run's kills at the same delays."""
+    modes = o.from_write
+    flag = (" --from-write" if modes else "") if isinstance(modes, bool) else \
+        " --from-write " + " ".join(str(int(m)) for m in modes)
+    return f"python -m eagle3.faults --kinds {o.kind} --runs 1 --delay {' '.join(map(str, o.delays))}{flag}"
+
+
 def table(outcomes: List[Outcome], seed: int, kills: int = 1) -> str:
     """The markdown table; each row's command repeats the seeds of the runs it counts."""
     lines = ["| job | runs | kills (job running) | ... after a commit | survived | data lost | reproduce |",
@@ -429,7 +443,9 @@ def main(argv=None) -> int:
                    help="default: every kind this machine runs (train_zero2 only with a GPU)")
     p.add_argument("--delay", type=float, nargs="+", default=None,
                    help="kill after these many seconds (one per kill) instead of drawing")
-    p.add_argument("--from-write", action="store_true", help="count --delay from each attempt's first write")
+    p.add_argument("--from-write", type=int, nargs="*", choices=(0, 1), default=None, metavar="0|1",
+                   help="count --delay from each attempt's first write; with values, one per kill "
+                        "(0: from the attempt's start)")
     p.add_argument("--work", type=Path, default=None, help="scratch directory (default: a fresh temporary one)")
     p.add_argument("--out", type=Path, default=None, help="write the markdown table here")
     p.add_argument("--summarize", type=Path, default=None, metavar="RESULTS_JSONL",
@@ -437,6 +453,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.kinds is None:
         args.kinds = default_kinds()
+    if args.from_write and (args.delay is None or len(args.from_write) != len(args.delay)):
+        p.error(f"--from-write with values takes one per --delay ({len(args.delay or [])}), "
+                f"got {len(args.from_write)}")
+    # absent: from each attempt's start; bare: from each attempt's first write; with values: per kill
+    from_write = False if args.from_write is None else [bool(m) for m in args.from_write] or True
     if args.summarize:
         outcomes = [Outcome(**json.loads(line)) for line in args.summarize.read_text().splitlines() if line.strip()]
         kills = max((len(o.delays) for o in outcomes), default=1)
@@ -448,7 +469,7 @@ def main(argv=None) -> int:
         delays = {}
         for kind in args.kinds:
             h.reference(kind)
-            delays[kind] = [(args.delay, args.from_write)] * args.runs if args.delay is not None else \
+            delays[kind] = [(args.delay, from_write)] * args.runs if args.delay is not None else \
                 draw_delays(args.seed, kind, args.runs, args.kills)
             print(f"[faults] {kind}: reference {h.typical[kind]:.1f}s, writing from {h.writing[kind]:.1f}s",
                   flush=True)
