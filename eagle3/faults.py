@@ -407,7 +407,7 @@ def replay_command(o: Outcome) -> str:
     """The command that replays one run's kills at the same delays."""
     modes = o.from_write
     flag = (" --from-write" if modes else "") if isinstance(modes, bool) else \
-        " --from-write " + " ".join(str(int(m)) for m in modes)
+        " --from-write " + " ".join(str(int(m)) for m in modes[:len(o.delays)])   # the kills that ran
     return f"python -m eagle3.faults --kinds {o.kind} --runs 1 --delay {' '.join(map(str, o.delays))}{flag}"
 
 

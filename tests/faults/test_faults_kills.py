@@ -53,7 +53,9 @@ def test_each_kill_counts_its_delay_from_its_own_start_and_the_replay_repeats_it
     assert calls == [(30.0, None), (2.5, tmp_path / "export_0000")]
     assert (o.kills, o.delays, o.from_write, o.survived) == (2, [30.0, 2.5], [False, True], True)
     assert replay_command(o) == "python -m eagle3.faults --kinds export --runs 1 --delay 30.0 2.5 --from-write 0 1"
-    o.from_write = True
+    o.delays = [30.0]                                   # a run whose first attempt ended before its kill
+    assert replay_command(o).endswith("--delay 30.0 --from-write 0")
+    o.delays, o.from_write = [30.0, 2.5], True
     assert replay_command(o).endswith("--delay 30.0 2.5 --from-write")
     o.from_write = False
     assert replay_command(o).endswith("--delay 30.0 2.5")
