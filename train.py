@@ -314,7 +314,9 @@ def build_drafter(c, target, vocab: DraftVocab, bf16_params: bool):
             raise ValueError("drafter.init_from and drafter.head_from_target both set the head: choose one")
         got = warm_start(drafter, Path(c.drafter.init_from), vocab, lm_head, target)
         print(f"[train] drafter from {got['from']}: {got['kept_rows']} lm_head rows kept, "
-              f"{got['mapped_rows']} mapped from the target's head")
+              f"{got['mapped_rows']} mapped from the target's head"
+              + (f"; {got['new_layers']} layer(s) added on top, each starting as the identity"
+                 if got["new_layers"] else ""))
     if bf16_params:
         # bf16 parameters, their fp32 masters in the optimizer's state (eagle3/optim.py): the
         # forward reads the weights as they are and the gradients stay bf16 up to the step.

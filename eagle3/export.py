@@ -284,17 +284,20 @@ def find_export(path: Path, engine: str) -> Path:
 
 
 def load_export_weights(drafter: Eagle3Drafter, tensors: Dict[str, torch.Tensor], embed: torch.Tensor,
-                        where: str, replace: Dict[str, torch.Tensor] | None = None) -> None:
+                        where: str, replace: Dict[str, torch.Tensor] | None = None, new_layers: int = 0) -> None:
     """Copy the tensors of an export, as load_export returns them, into `drafter` in its dtype. An
     export holds no embedding table (the engines embed with the target's), so `embed` supplies it;
     `replace` swaps tensors by name (a remapped lm_head). Weights whose names do not match are
-    refused, each named."""
+    refused, each named, except those of the drafter's last `new_layers` layers, which the export
+    may lack (they keep their values)."""
     state = {k: v for k, v in tensors.items() if k not in ("d2t", "t2d")}
     state.update(replace or {})
     state["embed_tokens.weight"] = embed
     dtype = next(drafter.parameters()).dtype
     with torch.no_grad():
         missing, unexpected = drafter.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False)
+    fresh = tuple(f"layers.{j}." for j in range(drafter.shape.num_layers - new_layers, drafter.shape.num_layers))
+    missing = [k for k in missing if not (fresh and k.startswith(fresh))]
     if missing or unexpected:
         raise ValueError(f"{where}: weights do not match the drafter (missing {missing}, unexpected {unexpected})")
 
@@ -303,9 +306,12 @@ def warm_start(drafter: Eagle3Drafter, path: Path, vocab: DraftVocab, target_lm_
                target: Target) -> dict:
     """Load a trained drafter's export (or run dir) into a fresh one of the same shape, to train on
     (drafter.init_from). Its draft vocab may differ from this run's: rows of tokens both hold are
-    copied, the rest come from the target's head through eagle3.vocab.mapped_rows. Refuses, naming
-    every difference, an export for another target, other aux layers or another shape.
-    -> {"from": export dir, "kept_rows": n, "mapped_rows": m}."""
+    copied, the rest come from the target's head through eagle3.vocab.mapped_rows. It may hold fewer
+    layers than this run's drafter: the layers it lacks are added on top, each starting as the
+    identity (its o_proj and down_proj zero, so both residual branches add nothing), and the drafter
+    starts out computing exactly what the export does. Refuses, naming every difference, an export
+    for another target, other aux layers, more layers or another shape.
+    -> {"from": export dir, "kept_rows": n, "mapped_rows": m, "new_layers": k}."""
     import dataclasses
 
     from eagle3.evaluation import check_drafter_fits
@@ -318,6 +324,8 @@ def warm_start(drafter: Eagle3Drafter, path: Path, vocab: DraftVocab, target_lm_
     for f in dataclasses.fields(DrafterShape):
         a, b = getattr(theirs, f.name), getattr(ours, f.name)
         same = abs(a - b) <= 1e-6 * abs(b) if isinstance(b, float) else a == b
+        if f.name == "num_layers" and a < b:
+            continue   # the run's drafter grows: see below
         if f.name != "draft_vocab_size" and not same:
             diffs.append(f"{f.name} {a} (this run: {b})")
     if diffs:
@@ -325,10 +333,15 @@ def warm_start(drafter: Eagle3Drafter, path: Path, vocab: DraftVocab, target_lm_
                          + ". Set the drafter options to the export's (its config.json) or leave init_from empty.")
     old_ids, new_ids = DraftVocab(tensors["d2t"].long(), tensors["t2d"]).draft_ids, vocab.draft_ids.cpu()
     head = mapped_rows(tensors["lm_head.weight"], old_ids, new_ids, target_lm_head)
+    new_layers = ours.num_layers - theirs.num_layers
     load_export_weights(drafter, tensors, drafter.embed_tokens.weight.detach(), where,
-                        replace={"lm_head.weight": head})
+                        replace={"lm_head.weight": head}, new_layers=new_layers)
+    with torch.no_grad():
+        for j in range(theirs.num_layers, ours.num_layers):
+            drafter.layers[str(j)].self_attn.o_proj.weight.zero_()
+            drafter.layers[str(j)].mlp.down_proj.weight.zero_()
     kept = int(torch.isin(new_ids, old_ids).sum())
-    return {"from": str(export), "kept_rows": kept, "mapped_rows": vocab.size - kept}
+    return {"from": str(export), "kept_rows": kept, "mapped_rows": vocab.size - kept, "new_layers": new_layers}
 
 
 def write_export(run_dir: Path, model_state: Dict[str, torch.Tensor], shape: DrafterShape, vocab: DraftVocab,

@@ -116,6 +116,35 @@ def test_init_from_starts_at_a_trained_drafter_and_maps_a_larger_vocab(tiny_run,
     assert bad.returncode != 0 and "intermediate_size 128 (this run: 96)" in bad.stderr
 
 
+def test_init_from_grows_a_drafter_by_layers_that_start_as_the_identity(tiny_run, tmp_path):
+    """drafter.num_layers=2 from a one-layer export: the added layer starts with o_proj and down_proj
+    at zero, so the first step's loss and accuracies are those of the same export loaded as one
+    layer; training then moves both (their gradients are not zero), layer 0 starts from the export,
+    and a drafter with fewer layers than the export is refused."""
+    from eagle3.export import load_export
+
+    common = ("+experiment=tiny", f"data.features_dir={tiny_run}/features", f"drafter.init_from={tiny_run}/run")
+    one = run_train(*common, f"run_dir={tmp_path}/one", "train.steps=1")
+    two = run_train(*common, f"run_dir={tmp_path}/two", "train.steps=2", "drafter.num_layers=2")
+    assert "1 layer(s) added on top" in two.stdout and "added on top" not in one.stdout
+    first = [next(r for r in metrics(tmp_path / run) if r["split"] == "train") for run in ("one", "two")]
+    for key in ("loss", "acc", "accept", "tau3"):
+        assert first[0][key] == pytest.approx(first[1][key], rel=1e-5, abs=1e-7), key
+    later = next(r for r in metrics(tmp_path / "two") if r["split"] == "train" and r["step"] == 1)
+    assert later["loss"] != pytest.approx(first[1]["loss"], rel=1e-5)
+    src, _ = load_export(tiny_run / "run" / "export" / "vllm")
+    grown, cfg = load_export(tmp_path / "two" / "export" / "vllm")
+    assert cfg["num_hidden_layers"] == 2
+    for name in ("layers.1.self_attn.o_proj.weight", "layers.1.mlp.down_proj.weight"):
+        assert grown[name].abs().max() > 0, name   # trained away from the zero it started at
+    moved = [k for k in src if k not in ("d2t", "t2d") and not torch.equal(grown[k], src[k])]
+    assert moved and set(moved) <= set(src)   # layer 0 trained on from the export's values
+
+    bad = run_train("+experiment=tiny", f"run_dir={tmp_path}/bad", f"data.features_dir={tiny_run}/features",
+                    "train.steps=1", f"drafter.init_from={tmp_path}/two", check=False)
+    assert bad.returncode != 0 and "num_layers 2 (this run: 1)" in bad.stderr
+
+
 def test_prefetching_the_next_steps_batches_trains_exactly_as_building_them_in_line(tiny_run, tmp_path):
     """The tiny run built each step's batches on the prefetch worker (train.prefetch, on by default);
     built in line, every step's loss, accuracy and the held-out rows (which wait for the worker) are
