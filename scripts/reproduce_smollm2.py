@@ -21,7 +21,8 @@ its run directory WORK/runs/NAME:
                    recipe; long_init_v12288_e5 goes on from its export with a 12,288-token draft vocab
                    (five epochs), long_init_v32768_e3 with 32,768 tokens (three epochs over the first
                    12,288 conversations), long_init_v32768_e3_all from that one (three epochs over
-                   every answered conversation)
+                   every answered conversation), long_init_v32768_l2 from that one grown to two
+                   layers, long_init_v32768_l2_d06 from that one with TTT step weights 0.6^s
     abl_*          ablations: one technique each against abl_base, on identical data and steps (the
                    first 4,096 conversations, two epochs of batch 16): the loss (lk, lk_alpha, tv,
                    jsd; kl has soft_ce's gradient), EAGLE-3.1's norms, TTT step weights (uniform,
@@ -139,7 +140,15 @@ INIT = {"long_init_v12288_e5": ("long_norms_ttt4_b32_e12_g32", 0,
                                 ["drafter.draft_vocab_size=32768", "train.epochs=3", "optim.lr=1e-3"]),
         # a third stage: the 32,768-token drafter, three more epochs over every answered conversation
         "long_init_v32768_e3_all": ("long_init_v32768_e3", 0,
-                                    ["drafter.draft_vocab_size=32768", "train.epochs=3", "optim.lr=1e-3"])}
+                                    ["drafter.draft_vocab_size=32768", "train.epochs=3", "optim.lr=1e-3"]),
+        # the third stage grown by a second layer that starts as the identity, three more epochs
+        "long_init_v32768_l2": ("long_init_v32768_e3_all", 0,
+                                ["drafter.draft_vocab_size=32768", "drafter.num_layers=2", "train.epochs=3",
+                                 "optim.lr=5e-4"]),
+        # and three more with the later TTT steps weighted 0.6^s
+        "long_init_v32768_l2_d06": ("long_init_v32768_l2", 0,
+                                    ["drafter.draft_vocab_size=32768", "drafter.num_layers=2", "train.epochs=3",
+                                     "optim.lr=5e-4", "train.step_decay=0.6"])}
 
 # ablations: the first ABL_CONVERSATIONS conversations of the answer file, two epochs of batch 16
 ABL_CONVERSATIONS = 4096

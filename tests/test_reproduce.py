@@ -64,6 +64,15 @@ def test_every_dependency_is_a_job_and_the_committed_recipe_is_the_documented_on
     assert {f"drafter.init_from={tmp_path / 'runs' / 'long_init_v32768_e3'}", "drafter.draft_vocab_size=32768",
             "train.epochs=3", "data.num_samples=0"} <= set(cmd)
     assert sum(a.startswith("data.num_samples=") for a in cmd) == 1
+    # the grown stages chain on the third, each from the one before
+    grown = jobs["long_init_v32768_l2"]
+    assert grown.deps == ["long_init_v32768_e3_all"]
+    assert {f"drafter.init_from={tmp_path / 'runs' / 'long_init_v32768_e3_all'}", "drafter.num_layers=2",
+            "optim.lr=5e-4"} <= set(grown.cmd())
+    last = jobs["long_init_v32768_l2_d06"]
+    assert last.deps == ["long_init_v32768_l2"]
+    assert {f"drafter.init_from={tmp_path / 'runs' / 'long_init_v32768_l2'}", "drafter.num_layers=2",
+            "train.step_decay=0.6"} <= set(last.cmd())
     # each ablation is abl_base's command plus its own overrides: identical data, batch and steps
     from reproduce_smollm2 import ABLATE
     base = jobs["abl_base"].cmd()
