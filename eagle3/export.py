@@ -297,7 +297,7 @@ def load_export_weights(drafter: Eagle3Drafter, tensors: Dict[str, torch.Tensor]
     with torch.no_grad():
         missing, unexpected = drafter.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False)
     fresh = tuple(f"layers.{j}." for j in range(drafter.shape.num_layers - new_layers, drafter.shape.num_layers))
-    missing = [k for k in missing if not (fresh and k.startswith(fresh))]
+    missing = [k for k in missing if not k.startswith(fresh)]   # startswith(()) is False
     if missing or unexpected:
         raise ValueError(f"{where}: weights do not match the drafter (missing {missing}, unexpected {unexpected})")
 

@@ -138,7 +138,7 @@ def test_init_from_grows_a_drafter_by_layers_that_start_as_the_identity(tiny_run
     for name in ("layers.1.self_attn.o_proj.weight", "layers.1.mlp.down_proj.weight"):
         assert grown[name].abs().max() > 0, name   # trained away from the zero it started at
     moved = [k for k in src if k not in ("d2t", "t2d") and not torch.equal(grown[k], src[k])]
-    assert moved and set(moved) <= set(src)   # layer 0 trained on from the export's values
+    assert any(k.startswith("midlayer.") for k in moved)   # layer 0 trained on from the export's values
 
     bad = run_train("+experiment=tiny", f"run_dir={tmp_path}/bad", f"data.features_dir={tiny_run}/features",
                     "train.steps=1", f"drafter.init_from={tmp_path}/two", check=False)
