@@ -22,7 +22,9 @@ its run directory WORK/runs/NAME:
                    (five epochs), long_init_v32768_e3 with 32,768 tokens (three epochs over the first
                    12,288 conversations), long_init_v32768_e3_all from that one (three epochs over
                    every answered conversation), long_init_v32768_l2 from that one grown to two
-                   layers, long_init_v32768_l2_d06 from that one with TTT step weights 0.6^s
+                   layers, long_init_v32768_l2_d06 from that one with TTT step weights 0.6^s;
+                   long_init_v32768_one all of those changes at once, in one stage of 900 steps
+                   from the committed drafter's export
     abl_*          ablations: one technique each against abl_base, on identical data and steps (the
                    first 4,096 conversations, two epochs of batch 16): the loss (lk, lk_alpha, tv,
                    jsd; kl has soft_ce's gradient), EAGLE-3.1's norms, TTT step weights (uniform,
@@ -148,7 +150,12 @@ INIT = {"long_init_v12288_e5": ("long_norms_ttt4_b32_e12_g32", 0,
         # and three more with the later TTT steps weighted 0.6^s
         "long_init_v32768_l2_d06": ("long_init_v32768_l2", 0,
                                     ["drafter.draft_vocab_size=32768", "drafter.num_layers=2", "train.epochs=3",
-                                     "optim.lr=5e-4", "train.step_decay=0.6"])}
+                                     "optim.lr=5e-4", "train.step_decay=0.6"]),
+        # the same changes in one stage from the committed drafter: 32,768 tokens, a second layer
+        # grown on top, step weights 0.6^s, 900 steps (under two epochs) over every answered conversation
+        "long_init_v32768_one": ("long_norms_ttt4_b32_e12_g32", 0,
+                                 ["drafter.draft_vocab_size=32768", "drafter.num_layers=2", "train.step_decay=0.6",
+                                  "train.steps=900", "optim.lr=1e-3"])}
 
 # ablations: the first ABL_CONVERSATIONS conversations of the answer file, two epochs of batch 16
 ABL_CONVERSATIONS = 4096

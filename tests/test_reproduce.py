@@ -73,6 +73,13 @@ def test_every_dependency_is_a_job_and_the_committed_recipe_is_the_documented_on
     assert last.deps == ["long_init_v32768_l2"]
     assert {f"drafter.init_from={tmp_path / 'runs' / 'long_init_v32768_l2'}", "drafter.num_layers=2",
             "train.step_decay=0.6"} <= set(last.cmd())
+    # the one-stage run: every change at once, straight from the committed recipe's run, by steps
+    one = jobs["long_init_v32768_one"]
+    assert one.deps == ["long_norms_ttt4_b32_e12_g32"]
+    cmd = one.cmd()
+    assert {f"drafter.init_from={tmp_path / 'runs' / 'long_norms_ttt4_b32_e12_g32'}", "drafter.draft_vocab_size=32768",
+            "drafter.num_layers=2", "train.step_decay=0.6", "train.steps=900", "optim.lr=1e-3",
+            "data.num_samples=0"} <= set(cmd)
     # each ablation is abl_base's command plus its own overrides: identical data, batch and steps
     from reproduce_smollm2 import ABLATE
     base = jobs["abl_base"].cmd()
