@@ -69,6 +69,8 @@ def capturer(target_dir: Path, info, tok, aux_layers: Sequence[int], target: Tar
                  "heldout_ids": [s.id for s in held]}
     if data.mix:
         data_meta["mix"] = [asdict(e) for e in data.mix]
+    if data.loop_tokens:   # other loss masks: a capture made without it must not be reused
+        data_meta["loop_tokens"] = data.loop_tokens
     if target.chat_template_kwargs:   # the same template renders other text with other variables
         data_meta["chat_template_kwargs"] = dict(target.chat_template_kwargs)
     if capture.regenerate:   # a different dataset: a finished capture without it must not be reused

@@ -93,6 +93,8 @@ class DataReport:
     bad: dict[str, int] = field(default_factory=dict)
     dropped_tail: int | bool = 0   # partial records dropped at a truncated end of file
     stopped_early: bool = False    # num_samples reached before the end of the source
+    loss_tokens: int = 0           # answer tokens of the conversations used, before data.loop_tokens
+    loop_masked: int = 0           # of those, left out of the loss as the tails of repetition loops
 
     def summary(self) -> str:
         bad = ", ".join(f"{k}: {v}" for k, v in sorted(self.bad.items())) or "none"
@@ -101,8 +103,10 @@ class DataReport:
                else "source read to its end")
         weighted = "" if self.samples == self.used else f" -> {self.samples} samples"
         per = "".join(f"; {k}: {v} samples" for k, v in self.samples_by_source.items())
+        loops = (f"; repetition-loop tails out of the loss: {self.loop_masked} of {self.loss_tokens} answer tokens "
+                 f"({self.loop_masked / max(self.loss_tokens, 1):.1%})" if self.loop_masked else "")
         return (f"read {self.read} conversations: {self.used} used{weighted} ({self.samples - self.heldout} train, "
-                f"{self.heldout} held out){per}; bad {sum(self.bad.values())} ({bad}); {end}")
+                f"{self.heldout} held out){per}; bad {sum(self.bad.values())} ({bad}); {end}{loops}")
 
 
 def sharegpt_path() -> Path:
@@ -356,20 +360,55 @@ def select_turns(messages, turns: int = 0, max_prompt_chars: int = 0):
     return messages
 
 
+LOOP_NGRAM = 16   # tokens that make a repetition: a span this long seen before in the same answer
+
+
+def mask_loops(ids: list[int], mask: list[int], keep: int, n: int = LOOP_NGRAM) -> list[int]:
+    """The loss mask without the tails of repetition loops. Each answer is a run of mask 1s; in it,
+    token k repeats when the n tokens ending at k occurred, as n tokens in a row, earlier in the same
+    answer. Of each run of repeating tokens, the first `keep` stay in the mask (a drafter must still
+    learn to follow a loop) and the rest leave it. keep <= 0: the mask unchanged.
+
+    A small target answering greedily falls into loops (the same line again and again until the token
+    budget ends); such tails are the easiest tokens there are to draft, and without this they can be
+    most of an answer's tokens, of the loss and of the held-out accept figures."""
+    out = list(mask)
+    if keep <= 0:
+        return out
+    T, i = len(ids), 0
+    while i < T:
+        if not mask[i]:
+            i += 1
+            continue
+        j = i
+        while j < T and mask[j]:
+            j += 1
+        seen, run = set(), 0
+        for k in range(i + n - 1, j):
+            gram = tuple(ids[k - n + 1: k + 1])
+            run = run + 1 if gram in seen else 0
+            seen.add(gram)
+            if run > keep:
+                out[k] = 0
+        i = j
+    return out
+
+
 def build_samples(tokenizer, source: str, path: str, num_samples: int, max_length: int,
                   heldout_fraction: float, min_loss_tokens: int = 1, turns: int = 0,
-                  max_prompt_chars: int = 0, mix: Iterable[MixEntry] = ()
+                  max_prompt_chars: int = 0, mix: Iterable[MixEntry] = (), loop_tokens: int = 0
                   ) -> tuple[list[Sample], list[Sample], DataReport]:
     """(train, heldout, report) of the mix (mix_sources(mix, source, path)). Each source's
     conversations are taken in file order until num_samples good ones are kept (0 = all), and
     each gives copies(id, weight) samples. `turns` and `max_prompt_chars` select as select_turns
-    does. Bad records are counted by reason in the report."""
+    does; loop_tokens > 0 takes repetition-loop tails out of the loss mask (mask_loops). Bad
+    records are counted by reason in the report."""
     return _build(tokenizer, mix_sources(mix, source, path), num_samples, max_length, heldout_fraction,
-                  min_loss_tokens, turns, max_prompt_chars)
+                  min_loss_tokens, turns, max_prompt_chars, loop_tokens)
 
 
 def _build(tokenizer, sources: list[Source], num_samples: int, max_length: int, heldout_fraction: float,
-           min_loss_tokens: int, turns: int, max_prompt_chars: int):
+           min_loss_tokens: int, turns: int, max_prompt_chars: int, loop_tokens: int = 0):
     report = DataReport()
     train, heldout, seen = [], [], set()
     for src in sources:
@@ -379,6 +418,8 @@ def _build(tokenizer, sources: list[Source], num_samples: int, max_length: int, 
             try:
                 messages = select_turns(messages, turns, max_prompt_chars)
                 ids, mask = render(tokenizer, messages, max_length)
+                full = sum(mask)
+                mask = mask_loops(ids, mask, loop_tokens)
                 if sum(mask) < min_loss_tokens:
                     raise BadRecord("nothing to train on")
             except BadRecord as e:
@@ -386,6 +427,8 @@ def _build(tokenizer, sources: list[Source], num_samples: int, max_length: int, 
                 continue
             cid = src.conversation_id(cid)
             used += 1
+            report.loss_tokens += full
+            report.loop_masked += full - sum(mask)
             for k in range(copies(cid, src.weight)):
                 sid = f"{cid}~copy{k}" if k else cid
                 if sid in seen:
@@ -464,7 +507,7 @@ def load_samples(target_dir: Path, target: TargetConfig, data: DataConfig,
                              f"(a stopped run resumes where it left off):\n    {regeneration_command()}")
         sources = [Source(s.name, "jsonl", str(p), s.weight) for s, p in zip(sources, regen)]
     train, held, report = _build(tok, sources, data.num_samples, data.max_length, data.heldout_fraction,
-                                 data.min_loss_tokens, data.turns, data.max_prompt_chars)
+                                 data.min_loss_tokens, data.turns, data.max_prompt_chars, data.loop_tokens)
     print(f"[data] {report.summary()}")
     if not train:
         where = ", ".join(f"{s.source} {s.path}".strip() for s in sources)
