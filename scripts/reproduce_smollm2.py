@@ -24,14 +24,15 @@ its run directory WORK/runs/NAME:
                    every answered conversation), long_init_v32768_l2 from that one grown to two
                    layers, long_init_v32768_l2_d06 from that one with TTT step weights 0.6^s;
                    long_init_v32768_one all of those changes at once, in one stage of 900 steps
-                   from the committed drafter's export
+                   from the committed drafter's export, long_init_v32768_one_loops16 the same with
+                   each repetition loop's tail out of the loss (data.loop_tokens=16)
     abl_*          ablations: one technique each against abl_base, on identical data and steps (the
                    first 4,096 conversations, two epochs of batch 16): the loss (lk, lk_alpha, tv,
                    jsd; kl has soft_ce's gradient), EAGLE-3.1's norms, TTT step weights (uniform,
                    0.6^s) and length, draft vocab 8,192, the head warm-started from the target's,
                    four epochs, a 2x and a 4x wider MLP, a second decoder layer (each also with
                    the norms), only each conversation's first turn, the top aux layer moved
-                   from 27 to 29 (with the norms)
+                   from 27 to 29 (with the norms), repetition-loop tails out of the loss
     fmt_*          the ablation recipe trained offline from full and from compact features (capture.format);
                    the pair, from eval_ablations' output: python -m eagle3.judging
                    WORK/runs/eval_ablations/eval --reference fmt_full
@@ -155,7 +156,12 @@ INIT = {"long_init_v12288_e5": ("long_norms_ttt4_b32_e12_g32", 0,
         # grown on top, step weights 0.6^s, 900 steps (under two epochs) over every answered conversation
         "long_init_v32768_one": ("long_norms_ttt4_b32_e12_g32", 0,
                                  ["drafter.draft_vocab_size=32768", "drafter.num_layers=2", "train.step_decay=0.6",
-                                  "train.steps=900", "optim.lr=1e-3"])}
+                                  "train.steps=900", "optim.lr=1e-3"]),
+        # the same with each repetition loop's tail out of the loss
+        "long_init_v32768_one_loops16": ("long_norms_ttt4_b32_e12_g32", 0,
+                                         ["drafter.draft_vocab_size=32768", "drafter.num_layers=2",
+                                          "train.step_decay=0.6", "train.steps=900", "optim.lr=1e-3",
+                                          "data.loop_tokens=16"])}
 
 # ablations: the first ABL_CONVERSATIONS conversations of the answer file, two epochs of batch 16
 ABL_CONVERSATIONS = 4096
@@ -179,7 +185,10 @@ ABLATE = {"abl_base": [],
           "abl_norms_layers2": ["drafter.fc_norm=true", "drafter.norm_output=true", "drafter.num_layers=2"],
           "abl_turn1": ["data.turns=1"],
           # the norms with the top aux layer at the last decoder layer's input instead of n-3 = 27
-          "abl_norms_top29": ["drafter.fc_norm=true", "drafter.norm_output=true", "aux_layers=[2,15,29]"]}
+          "abl_norms_top29": ["drafter.fc_norm=true", "drafter.norm_output=true", "aux_layers=[2,15,29]"],
+          # each repetition loop's tail out of the loss (its first 16 repeating tokens stay); the
+          # held-out figures then count the same mask, so compare this one with the others in an engine
+          "abl_loops16": ["data.loop_tokens=16"]}
 # the feature format: the ablation recipe trained offline from a full and from a compact feature
 # dataset of the same samples (same seed and steps)
 FORMATS = {"fmt_full": "full", "fmt_compact": "compact"}

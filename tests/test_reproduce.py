@@ -80,6 +80,9 @@ def test_every_dependency_is_a_job_and_the_committed_recipe_is_the_documented_on
     assert {f"drafter.init_from={tmp_path / 'runs' / 'long_norms_ttt4_b32_e12_g32'}", "drafter.draft_vocab_size=32768",
             "drafter.num_layers=2", "train.step_decay=0.6", "train.steps=900", "optim.lr=1e-3",
             "data.num_samples=0"} <= set(cmd)
+    loops = jobs["long_init_v32768_one_loops16"].cmd()
+    assert [a for a in loops if not a.startswith("run_dir=")] == \
+        [a for a in cmd if not a.startswith("run_dir=")] + ["data.loop_tokens=16"]
     # each ablation is abl_base's command plus its own overrides: identical data, batch and steps
     from reproduce_smollm2 import ABLATE
     base = jobs["abl_base"].cmd()
