@@ -1,0 +1,78 @@
+"""How much of the training answers, and of the served text, is repetition loops.
+
+A small target answering greedily falls into loops: the same line again and again until the token
+budget ends. Loop tails are the easiest tokens there are to draft. Where the training answers hold
+many more of them than the served text, they fill the loss and lift the held-out accept figures
+above what decoding the served prompts measures. `data.loop_tokens=K` takes every loop's tail
+after its first K repeating tokens out of the loss (eagle3.data.mask_loops: a token repeats when
+the 16 tokens ending at it occurred earlier in the same answer). For each K this prints the share
+of answer tokens it leaves out, in the training answers (all turns and first turns alone) and in
+the greedy outputs of an evaluation run, whose outputs are counted as one answer each:
+
+    python bench/repetition_loops.py --answers ANSWERS.jsonl \
+        --report results/evaluations/final_mt_bench_80 --keep 1,16,64
+
+K = 1 leaves out nearly every repeating token (all but each loop's first). The answers are rendered and cut as training does
+(eagle3.data.build_samples, data.max_length 2,048). The report's outputs are its `baseline`
+records, or the first drafter's when it ran without one.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.vocab_coverage import served_outputs  # noqa: E402
+from eagle3.data import build_samples, mask_loops  # noqa: E402
+from eagle3.targets import load_tokenizer, resolve_target  # noqa: E402
+
+
+def first_answer(mask: list[int]) -> list[int]:
+    """The mask of a conversation's first answer alone (its first run of 1s)."""
+    out, seen_one = [0] * len(mask), False
+    for k, m in enumerate(mask):
+        if m:
+            out[k], seen_one = 1, True
+        elif seen_one:
+            break
+    return out
+
+
+def left_out(pairs, keep: int) -> tuple[int, int]:
+    """(answer tokens, of them out of the loss mask at data.loop_tokens=keep) over (ids, mask) pairs."""
+    total = out = 0
+    for ids, mask in pairs:
+        total += sum(mask)
+        out += sum(mask) - sum(mask_loops(ids, mask, keep))
+    return total, out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--answers", type=Path, required=True, help="the training conversations (jsonl)")
+    ap.add_argument("--report", type=Path, help="an evaluation's output dir (per_prompt.jsonl)")
+    ap.add_argument("--keep", default="1,16,64", help="data.loop_tokens values, each at least 1")
+    ap.add_argument("--max-length", type=int, default=2048, help="tokens per conversation, as training cuts them")
+    args = ap.parse_args()
+
+    tok = load_tokenizer(resolve_target("gguf", "", "smollm2", "llama", {}, 0))
+    train, held, report = build_samples(tok, "jsonl", str(args.answers), 0, args.max_length, 0.02)
+    convs = [(s.input_ids, s.loss_mask) for s in [*train, *held]]
+    firsts = [(ids, first_answer(mask)) for ids, mask in convs]
+    served = [(list(o.output_ids[0]), [1] * len(o.output_ids[0])) for o in served_outputs(args.report)] \
+        if args.report else []
+    print(f"{len(convs)} conversations of {args.answers}" + (f"; {len(served)} outputs of {args.report}" if served else ""))
+    print("| data.loop_tokens | training answers, all turns | first turns | " + ("served outputs |" if served else ""))
+    print("|---|---|---|" + ("---|" if served else ""))
+    keeps = [int(k) for k in args.keep.split(",")]
+    if min(keeps) < 1:
+        raise SystemExit(f"error: --keep {args.keep}: each value must be at least 1 (data.loop_tokens=0 leaves out nothing)")
+    for keep in keeps:
+        row = [left_out(convs, keep), left_out(firsts, keep)] + ([left_out(served, keep)] if served else [])
+        cells = " | ".join(f"{o / max(t, 1):.1%} of {t:,}" for t, o in row)
+        print(f"| {keep} | {cells} |")
+
+
+if __name__ == "__main__":
+    main()
