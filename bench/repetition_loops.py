@@ -15,12 +15,23 @@ the greedy outputs of an evaluation run, whose outputs are counted as one answer
 K = 1 leaves out nearly every repeating token (all but each loop's first). The answers are rendered and cut as training does
 (eagle3.data.build_samples, data.max_length 2,048). The report's outputs are its `baseline`
 records, or the first drafter's when it ran without one.
+
+With --drafter (repeatable) it also prints what the loops do to the training's held-out figures:
+each drafter's chain acceptance per TTT step (eagle3.loss.ttt_loss, as train.py's held-out rows
+count it) and `tau3` on the first --heldout conversations of the held-out split, with every answer
+token starting a chain and with loop tails left out at data.loop_tokens=--loop-tokens. The target
+runs in fp32 on the CPU (about 10 s a conversation on 2 cores, for two drafters):
+
+    python bench/repetition_loops.py --answers ANSWERS.jsonl --keep 16 \
+        --drafter results/smollm2-drafter --drafter RUN/export/vllm --heldout 128
 """
 from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.vocab_coverage import served_outputs  # noqa: E402
@@ -48,12 +59,58 @@ def left_out(pairs, keep: int) -> tuple[int, int]:
     return total, out
 
 
+def heldout_estimates(held, drafters: list[Path], loop_tokens: int, ttt_steps: int = 4) -> None:
+    """Print, per drafter, held-out chain acceptance and tau3 with every answer token and without
+    loop tails, on the same conversations and the same target forward."""
+    from eagle3.export import find_export, load_export
+    from eagle3.hidden import capture_batch
+    from eagle3.loss import ttt_loss
+    from eagle3.specdec import load_hf_drafter
+    from eagle3.targets import default_aux_layers, load_head, load_target_model
+    from eagle3.vocab import DraftVocab
+
+    torch.set_grad_enabled(False)
+    target_dir = resolve_target("gguf", "", "smollm2", "llama", {}, 0)
+    model = load_target_model(target_dir, torch.float32, "cpu")
+    aux_layers = default_aux_layers(model.config.num_hidden_layers)
+    _, lm_head = load_head(target_dir)
+    loaded = []
+    for d in drafters:
+        edir = find_export(d, "vllm")
+        tensors, _ = load_export(edir)
+        loaded.append((d, DraftVocab(tensors["d2t"], tensors["t2d"]), load_hf_drafter(edir, model)))
+    sums = {(d, k): [torch.zeros(ttt_steps), 0] for d, *_ in loaded for k in (0, loop_tokens)}
+    for n, s in enumerate(held, 1):
+        seq = torch.tensor([s.input_ids])
+        masks = {0: torch.tensor([s.loss_mask]),
+                 loop_tokens: torch.tensor([mask_loops(s.input_ids, s.loss_mask, loop_tokens)])}
+        bt = capture_batch(model, seq, torch.ones_like(seq), masks[0], aux_layers, [s.id])
+        for d, vocab, drafter in loaded:
+            for k, m in masks.items():
+                o = ttt_loss(drafter.model, bt.input_ids, m, bt.attention_mask, bt.aux, bt.final, lm_head, vocab,
+                             ttt_steps=ttt_steps)
+                sums[(d, k)][0] += o.accepted.float()
+                sums[(d, k)][1] += int(o.chained)
+        print(f"[held-out {n}/{len(held)}] {len(s.input_ids)} tokens", file=sys.stderr, flush=True)
+    print(f"\n{len(held)} held-out conversations, chain acceptance per TTT step as training counts it")
+    print("| drafter | answer tokens | chain starts | accept per step | tau3 |")
+    print("|---|---|---|---|---|")
+    for (d, k), (acc, chained) in sums.items():
+        per = (acc / max(chained, 1)).tolist()
+        which = "all" if k == 0 else f"loop tails out (data.loop_tokens={k})"
+        print(f"| {d} | {which} | {chained:,} | " + " / ".join(f"{a:.3f}" for a in per)
+              + f" | {1 + sum(per[:3]):.3f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--answers", type=Path, required=True, help="the training conversations (jsonl)")
     ap.add_argument("--report", type=Path, help="an evaluation's output dir (per_prompt.jsonl)")
     ap.add_argument("--keep", default="1,16,64", help="data.loop_tokens values, each at least 1")
     ap.add_argument("--max-length", type=int, default=2048, help="tokens per conversation, as training cuts them")
+    ap.add_argument("--drafter", type=Path, action="append", default=[], help="an export or run dir (repeatable)")
+    ap.add_argument("--heldout", type=int, default=128, help="--drafter: held-out conversations read")
+    ap.add_argument("--loop-tokens", type=int, default=16, help="--drafter: data.loop_tokens of the second row")
     args = ap.parse_args()
 
     tok = load_tokenizer(resolve_target("gguf", "", "smollm2", "llama", {}, 0))
@@ -72,6 +129,8 @@ def main() -> None:
         row = [left_out(convs, keep), left_out(firsts, keep)] + ([left_out(served, keep)] if served else [])
         cells = " | ".join(f"{o / max(t, 1):.1%} of {t:,}" for t, o in row)
         print(f"| {keep} | {cells} |")
+    if args.drafter:
+        heldout_estimates(held[:args.heldout], args.drafter, args.loop_tokens)
 
 
 if __name__ == "__main__":
