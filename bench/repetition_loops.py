@@ -4,7 +4,7 @@ A small target answering greedily falls into loops: the same line again and agai
 budget ends. Loop tails are the easiest tokens there are to draft. Where the training answers hold
 many more of them than the served text, they fill the loss and lift the held-out accept figures
 above what decoding the served prompts measures. `data.loop_tokens=K` takes every loop's tail
-after its first K repeating tokens out of the loss (eagle3.data.mask_loops: a token repeats when
+after its first K repeating tokens out of the loss (eagle3.loops.mask_loops: a token repeats when
 the 16 tokens ending at it occurred earlier in the same answer). For each K this prints the share
 of answer tokens it leaves out, in the training answers (all turns and first turns alone) and in
 the greedy outputs of an evaluation run, whose outputs are counted as one answer each:
@@ -12,8 +12,8 @@ the greedy outputs of an evaluation run, whose outputs are counted as one answer
     python bench/repetition_loops.py --answers ANSWERS.jsonl \
         --report results/evaluations/final_mt_bench_80 --keep 1,16,64
 
-K = 1 leaves out nearly every repeating token (all but each loop's first). The answers are rendered and cut as training does
-(eagle3.data.build_samples, data.max_length 2,048). The report's outputs are its `baseline`
+K = 1 leaves out nearly every repeating token (all but each loop's first). The answers are
+rendered and cut as training does (eagle3.data.build_samples, data.max_length 2,048). The report's outputs are its `baseline`
 records, or the first drafter's when it ran without one.
 
 With --drafter (repeatable) it also prints what the loops do to the training's held-out figures:
@@ -35,18 +35,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.vocab_coverage import served_outputs  # noqa: E402
-from eagle3.data import build_samples, mask_loops  # noqa: E402
+from eagle3.data import build_samples  # noqa: E402
+from eagle3.loops import answer_runs, mask_loops  # noqa: E402
 from eagle3.targets import load_tokenizer, resolve_target  # noqa: E402
 
 
 def first_answer(mask: list[int]) -> list[int]:
-    """The mask of a conversation's first answer alone (its first run of 1s)."""
-    out, seen_one = [0] * len(mask), False
-    for k, m in enumerate(mask):
-        if m:
-            out[k], seen_one = 1, True
-        elif seen_one:
-            break
+    """The mask of a conversation's first answer alone."""
+    out = [0] * len(mask)
+    for i, j in answer_runs(mask)[:1]:
+        out[i:j] = [1] * (j - i)
     return out
 
 

@@ -60,7 +60,7 @@ class DataConfig:
     min_loss_tokens: int = 1                  # fewer assistant tokens than this: record is "nothing to train on"
     turns: int = 0                            # user turns kept per conversation, with their answers (0 = all)
     max_prompt_chars: int = 0                 # skip conversations whose first user turn is this long (0 = no limit)
-    # > 0: of each repetition loop in an answer (a token whose LOOP_NGRAM tokens ending at it occurred
+    # > 0: of each repetition loop in an answer (a token whose eagle3.loops.LOOP_NGRAM tokens ending at it occurred
     # earlier in the same answer), only the first this many repeating tokens in a row are trained on
     # and counted by the held-out figures; the rest stay in the context, out of the loss (0 = all)
     loop_tokens: int = 0

@@ -46,6 +46,7 @@ from eagle3 import chat
 from eagle3.chat import REASONING, conversation_problem
 from eagle3.config import CaptureConfig, DataConfig, MixEntry, TargetConfig
 from eagle3.features import template_sha256
+from eagle3.loops import mask_loops
 from eagle3.targets import cache_root, target_info
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
@@ -358,40 +359,6 @@ def select_turns(messages, turns: int = 0, max_prompt_chars: int = 0):
     if turns and len(users) > turns:
         return messages[:users[turns]]
     return messages
-
-
-LOOP_NGRAM = 16   # tokens that make a repetition: a span this long seen before in the same answer
-
-
-def mask_loops(ids: list[int], mask: list[int], keep: int, n: int = LOOP_NGRAM) -> list[int]:
-    """The loss mask without the tails of repetition loops. Each answer is a run of mask 1s; in it,
-    token k repeats when the n tokens ending at k occurred, as n tokens in a row, earlier in the same
-    answer. Of each run of repeating tokens, the first `keep` stay in the mask (a drafter must still
-    learn to follow a loop) and the rest leave it. keep <= 0: the mask unchanged.
-
-    A small target answering greedily falls into loops (the same line again and again until the token
-    budget ends); such tails are the easiest tokens there are to draft, and without this they can be
-    most of an answer's tokens, of the loss and of the held-out accept figures."""
-    out = list(mask)
-    if keep <= 0:
-        return out
-    T, i = len(ids), 0
-    while i < T:
-        if not mask[i]:
-            i += 1
-            continue
-        j = i
-        while j < T and mask[j]:
-            j += 1
-        seen, run = set(), 0
-        for k in range(i + n - 1, j):
-            gram = tuple(ids[k - n + 1: k + 1])
-            run = run + 1 if gram in seen else 0
-            seen.add(gram)
-            if run > keep:
-                out[k] = 0
-        i = j
-    return out
 
 
 def build_samples(tokenizer, source: str, path: str, num_samples: int, max_length: int,

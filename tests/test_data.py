@@ -13,6 +13,7 @@ import pytest
 
 from eagle3 import data
 from eagle3.data import BadRecord, DataReport, build_samples, is_heldout, iter_conversations, render, write_jsonl
+from eagle3.loops import answer_runs, mask_loops
 from eagle3.targets import load_tokenizer, smollm2_tokenizer
 
 CONV = [{"role": "user", "content": "What is the capital of France?"},
@@ -450,7 +451,8 @@ def test_mask_loops_keeps_each_loops_start_and_drops_its_tail():
     loop = [1, 2, 3, 4, 5] * 10
     ids = [900, 901, 902, 903] + list(range(100, 120)) + loop + [904, 905] + loop
     mask = [0] * 4 + [1] * 70 + [0] * 2 + [1] * 50
-    out = data.mask_loops(ids, mask, keep=8, n=16)
+    assert answer_runs(mask) == [(4, 74), (76, 126)] and answer_runs([1, 0, 1]) == [(0, 1), (2, 3)]
+    out = mask_loops(ids, mask, keep=8, n=16)
     # first answer (index 4 on): its 16-grams lie inside the loop from answer index 35, and the one
     # ending at answer index 40 is the one ending at 35 again: 30 repeats (40..69), the first 8 kept
     first = [k - 4 for k in range(4, 74) if mask[k] and not out[k]]
@@ -459,7 +461,7 @@ def test_mask_loops_keeps_each_loops_start_and_drops_its_tail():
     second = [k - 76 for k in range(76, len(ids)) if not out[k]]
     assert second == list(range(28, 50))
     assert out[:4] == [0] * 4 and out[74:76] == [0, 0]
-    assert data.mask_loops(ids, mask, keep=0) == mask
+    assert mask_loops(ids, mask, keep=0) == mask
     # against the slow way, on random answers with loops of random periods spliced in
     import random
     rng = random.Random(0)
@@ -474,7 +476,7 @@ def test_mask_loops_keeps_each_loops_start_and_drops_its_tail():
             ids += ans
             mask += [1] * len(ans)
         for keep, n in ((1, 4), (3, 6), (8, 16)):
-            assert data.mask_loops(ids, mask, keep, n) == _loop_mask_by_hand(ids, mask, keep, n)
+            assert mask_loops(ids, mask, keep, n) == _loop_mask_by_hand(ids, mask, keep, n)
 
 
 def test_loop_tokens_leaves_loop_tails_out_of_the_loss_and_says_how_much(smol, tmp_path):
@@ -488,7 +490,7 @@ def test_loop_tokens_leaves_loop_tails_out_of_the_loss_and_says_how_much(smol, t
     plain, _, rep0 = build_samples(smol, "jsonl", str(path), 0, 512, 0.0)
     cut, _, rep = build_samples(smol, "jsonl", str(path), 0, 512, 0.0, loop_tokens=16)
     assert [s.input_ids for s in cut] == [s.input_ids for s in plain]        # the context is unchanged
-    want = [data.mask_loops(s.input_ids, s.loss_mask, 16) for s in plain]
+    want = [mask_loops(s.input_ids, s.loss_mask, 16) for s in plain]
     assert [s.loss_mask for s in cut] == want
     dropped = sum(map(sum, (s.loss_mask for s in plain))) - sum(map(sum, want))
     line_tokens = len(smol(line + "\n")["input_ids"])
