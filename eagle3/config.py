@@ -121,6 +121,9 @@ class TrainConfig:
     ttt_steps: int = 7
     step_decay: float = 0.8
     loss: str = "soft_ce"                     # soft_ce | kl | tv | jsd | lk | lk_alpha (eagle3/losses.py, docs/ttt.md)
+    # the teacher is the target's softmax over the draft vocab at this temperature: below 1 it leans
+    # toward the target's greedy choice, the token a greedy server accepts (docs/ttt.md)
+    teacher_temperature: float = 1.0
     mode: str = "offline"                     # offline: feature dataset | online: target in-process | stream: capture while training (docs/streaming.md)
     order: str = "random"                     # random: a seeded permutation per epoch | shards: stream order (eagle3/stream.py), which train.mode=stream always uses
     log_every: int = 10

@@ -38,27 +38,31 @@ class TTTOutput:
 
 @torch.no_grad()
 def target_teacher(final: torch.Tensor, target_lm_head: torch.Tensor, draft_ids: torch.Tensor,
-                   chunk_rows: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                   chunk_rows: Optional[int] = None, temperature: float = 1.0) -> Tuple[torch.Tensor, torch.Tensor]:
     """final [B, T, Ht], target_lm_head [V, Ht], draft_ids [Vd] -> (p [B, T, Vd] fp32 softmax of
-    the target logits over the draft columns, top [B, T] int64 full-vocab argmax)."""
+    the target logits over the draft columns, divided by `temperature` first (train.teacher_temperature),
+    top [B, T] int64 full-vocab argmax)."""
     B, T, _ = final.shape
     dt = torch.promote_types(target_lm_head.dtype, torch.float32)      # fp32 (fp64 in tests)
     p = torch.empty(B * T, draft_ids.numel(), dtype=dt, device=final.device)
     top = torch.empty(B * T, dtype=torch.int64, device=final.device)
     for span, logits in _target_logits(final, target_lm_head, chunk_rows):
-        top[span], p[span] = _teacher_rows(logits, draft_ids, dt)
+        top[span], p[span] = _teacher_rows(logits, draft_ids, dt, 1.0 / temperature)
     return p.view(B, T, -1), top.view(B, T)
 
 
 @torch.no_grad()
-def batch_teacher(batch, target_lm_head: torch.Tensor, draft_ids: torch.Tensor) -> tuple:
+def batch_teacher(batch, target_lm_head: torch.Tensor, draft_ids: torch.Tensor, temperature: float = 1.0) -> tuple:
     """The teacher of a batch.Batch, as ttt_loss's `teacher`: target_teacher of its final states
     (p, top), or a compact dataset's stored teacher (p, top, mass), its top-K probabilities spread
-    over the draft vocab and renormalised (eagle3/codec.py stores it)."""
+    over the draft vocab and renormalised (eagle3/codec.py stores it). At a temperature other than 1
+    a stored probability p becomes p ** (1 / temperature) before the renormalisation: the same
+    tempered softmax, over the K kept columns."""
     if batch.teacher is None:
-        return target_teacher(batch.final, target_lm_head, draft_ids)
+        return target_teacher(batch.final, target_lm_head, draft_ids, temperature=temperature)
     t = batch.teacher
-    return dense_teacher(t.ids, t.p, draft_ids.numel()), t.top, t.mass
+    p = t.p if temperature == 1.0 else t.p.float().pow(1.0 / temperature)
+    return dense_teacher(t.ids, p, draft_ids.numel()), t.top, t.mass
 
 
 def dense_teacher(ids: torch.Tensor, p: torch.Tensor, draft_vocab_size: int) -> torch.Tensor:
@@ -97,9 +101,10 @@ def _target_logits(final: torch.Tensor, target_lm_head: torch.Tensor, chunk_rows
 # One kernel on a GPU (eagle3/fused.py): the argmax and the draft columns' softmax read the logits
 # once, instead of an argmax pass, a gathered copy of the draft columns and a softmax over it.
 @fused
-def _teacher_rows(logits, draft_ids, dt: torch.dtype):
-    """logits [c, V] -> (full-vocab argmax [c], softmax over the draft columns [c, Vd] in dt)."""
-    return logits.argmax(-1), logits[:, draft_ids].to(dt).softmax(-1)
+def _teacher_rows(logits, draft_ids, dt: torch.dtype, inv_temperature: float = 1.0):
+    """logits [c, V] -> (full-vocab argmax [c], softmax of the draft columns times inv_temperature
+    [c, Vd] in dt)."""
+    return logits.argmax(-1), (logits[:, draft_ids].to(dt) * inv_temperature).softmax(-1)
 
 
 def ttt_mask(real: torch.Tensor, step: int) -> torch.Tensor:
