@@ -25,7 +25,8 @@ its run directory WORK/runs/NAME:
                    layers, long_init_v32768_l2_d06 from that one with TTT step weights 0.6^s;
                    long_init_v32768_one all of those changes at once, in one stage of 900 steps
                    from the committed drafter's export, long_init_v32768_one_loops16 the same with
-                   each repetition loop's tail out of the loss (data.loop_tokens=16)
+                   each repetition loop's tail out of the loss (data.loop_tokens=16), and
+                   long_init_v32768_one_loops16_s2 a second such stage from that one
     abl_*          ablations: one technique each against abl_base, on identical data and steps (the
                    first 4,096 conversations, two epochs of batch 16): the loss (lk, lk_alpha, tv,
                    jsd; kl has soft_ce's gradient), EAGLE-3.1's norms, TTT step weights (uniform,
@@ -161,7 +162,12 @@ INIT = {"long_init_v12288_e5": ("long_norms_ttt4_b32_e12_g32", 0,
         "long_init_v32768_one_loops16": ("long_norms_ttt4_b32_e12_g32", 0,
                                          ["drafter.draft_vocab_size=32768", "drafter.num_layers=2",
                                           "train.step_decay=0.6", "train.steps=900", "optim.lr=1e-3",
-                                          "data.loop_tokens=16"])}
+                                          "data.loop_tokens=16"]),
+        # and a second stage of the same 900 steps from that one
+        "long_init_v32768_one_loops16_s2": ("long_init_v32768_one_loops16", 0,
+                                            ["drafter.draft_vocab_size=32768", "drafter.num_layers=2",
+                                             "train.step_decay=0.6", "train.steps=900", "optim.lr=1e-3",
+                                             "data.loop_tokens=16"])}
 
 # ablations: the first ABL_CONVERSATIONS conversations of the answer file, two epochs of batch 16
 ABL_CONVERSATIONS = 4096

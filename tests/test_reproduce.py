@@ -83,6 +83,11 @@ def test_every_dependency_is_a_job_and_the_committed_recipe_is_the_documented_on
     loops = jobs["long_init_v32768_one_loops16"].cmd()
     assert [a for a in loops if not a.startswith("run_dir=")] == \
         [a for a in cmd if not a.startswith("run_dir=")] + ["data.loop_tokens=16"]
+    again = jobs["long_init_v32768_one_loops16_s2"]
+    assert again.deps == ["long_init_v32768_one_loops16"]
+    assert [a for a in again.cmd() if not a.startswith(("run_dir=", "drafter.init_from="))] == \
+        [a for a in loops if not a.startswith(("run_dir=", "drafter.init_from="))]
+    assert f"drafter.init_from={tmp_path / 'runs' / 'long_init_v32768_one_loops16'}" in again.cmd()
     # each ablation is abl_base's command plus its own overrides: identical data, batch and steps
     from reproduce_smollm2 import ABLATE
     base = jobs["abl_base"].cmd()
