@@ -267,6 +267,15 @@ def test_typo_fails_at_startup():
     assert p.returncode != 0 and "stpes" in p.stderr
 
 
+@pytest.mark.parametrize("over, said", [
+    (["train.teacher_temperature=0"], "train.teacher_temperature=0.0: must be above 0"),
+    (["train.teacher_temperature=0.5", "train.loss=lk"], "train.teacher_temperature=0.5 with train.loss=lk")])
+def test_a_teacher_temperature_that_cannot_work_fails_at_startup(tmp_path, over, said):
+    p = run_train("+experiment=tiny", f"run_dir={tmp_path}/r", *over, check=False)
+    assert p.returncode != 0 and said in p.stderr
+    assert not (tmp_path / "r" / "metrics.jsonl").exists()
+
+
 def test_a_step_interval_below_one_fails_at_startup(tmp_path):
     p = run_train("+experiment=tiny", f"run_dir={tmp_path}/r", "train.eval_every=0", check=False)
     assert p.returncode != 0 and "train.eval_every=0: a number of steps, at least 1" in p.stderr
