@@ -28,13 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from eagle3.chat import render_prompt, stop_ids  # noqa: E402
 from eagle3.evaluation import load_prompts  # noqa: E402
 from eagle3.hidden import capture_batch  # noqa: E402
-from eagle3.export import find_export, load_export  # noqa: E402
 from eagle3.loss import ttt_loss  # noqa: E402
 from eagle3.replay import replay  # noqa: E402
-from eagle3.specdec import load_hf_drafter, spec_decode  # noqa: E402
+from eagle3.specdec import load_drafter_and_vocab, spec_decode  # noqa: E402
 from eagle3.targets import (default_aux_layers, load_head, load_target_model, load_tokenizer,  # noqa: E402
                             resolve_target)
-from eagle3.vocab import DraftVocab  # noqa: E402
 
 
 def main() -> None:
@@ -53,10 +51,7 @@ def main() -> None:
     tok = load_tokenizer(target_dir)
     stop = stop_ids(tok, target_dir)
     aux_layers = default_aux_layers(model.config.num_hidden_layers)
-    edir = find_export(args.drafter, "vllm")
-    tensors, _ = load_export(edir)
-    vocab = DraftVocab(tensors["d2t"], tensors["t2d"])
-    drafter = load_hf_drafter(edir, model)
+    vocab, drafter = load_drafter_and_vocab(args.drafter, model)
     _, lm_head = load_head(target_dir)
     S = args.num_steps
 
@@ -89,7 +84,7 @@ def main() -> None:
     per_served = (served / max(verifies, 1)).tolist()
     per_replay = [sum(c[S].accepted_per_pos[j] for _, c in replayed) / max(r_verifies, 1) for j in range(S)]
     per_est = (accepted / max(chained, 1)).tolist()
-    print(f"drafter {edir}, {len(prompts)} prompts of {args.prompts}, chain {S}, {args.max_new_tokens} new tokens")
+    print(f"drafter {args.drafter}, {len(prompts)} prompts of {args.prompts}, chain {S}, {args.max_new_tokens} new tokens")
     print(f"served (spec_decode):          tau {1 + sum(per_served):.3f}  per position "
           + " / ".join(f"{a:.3f}" for a in per_served) + f"  ({verifies} verifies)")
     print(f"replay (greedy + one forward): tau {1 + sum(per_replay):.3f}  per position "

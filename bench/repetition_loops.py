@@ -60,23 +60,17 @@ def left_out(pairs, keep: int) -> tuple[int, int]:
 def heldout_estimates(held, drafters: list[Path], loop_tokens: int, ttt_steps: int = 4) -> None:
     """Print, per drafter, held-out chain acceptance and tau3 with every answer token and without
     loop tails, on the same conversations and the same target forward."""
-    from eagle3.export import find_export, load_export
     from eagle3.hidden import capture_batch
     from eagle3.loss import ttt_loss
-    from eagle3.specdec import load_hf_drafter
+    from eagle3.specdec import load_drafter_and_vocab
     from eagle3.targets import default_aux_layers, load_head, load_target_model
-    from eagle3.vocab import DraftVocab
 
     torch.set_grad_enabled(False)
     target_dir = resolve_target("gguf", "", "smollm2", "llama", {}, 0)
     model = load_target_model(target_dir, torch.float32, "cpu")
     aux_layers = default_aux_layers(model.config.num_hidden_layers)
     _, lm_head = load_head(target_dir)
-    loaded = []
-    for d in drafters:
-        edir = find_export(d, "vllm")
-        tensors, _ = load_export(edir)
-        loaded.append((d, DraftVocab(tensors["d2t"], tensors["t2d"]), load_hf_drafter(edir, model)))
+    loaded = [(d, *load_drafter_and_vocab(d, model)) for d in drafters]
     sums = {(d, k): [torch.zeros(ttt_steps), 0] for d, *_ in loaded for k in (0, loop_tokens)}
     for n, s in enumerate(held, 1):
         seq = torch.tensor([s.input_ids])

@@ -99,6 +99,17 @@ def load_hf_drafter(export_dir, target_model, device: str = "cpu",
     return Eagle3ChainDrafter(model, tensors["d2t"].to(device))
 
 
+def load_drafter_and_vocab(path, target_model, device: str = "cpu", dtype: torch.dtype = torch.float32):
+    """A run or export directory (its vLLM export, eagle3.export.find_export) -> (the export's
+    DraftVocab, load_hf_drafter's chain drafter): what reading a drafter's acceptance through
+    eagle3.loss.ttt_loss needs beside the drafter itself."""
+    from eagle3.export import find_export, load_export
+    from eagle3.vocab import DraftVocab
+    edir = find_export(path, "vllm")
+    tensors, _ = load_export(edir)
+    return DraftVocab(tensors["d2t"], tensors["t2d"]), load_hf_drafter(edir, target_model, device, dtype)
+
+
 def _target_step(model, ids: torch.Tensor, cache, aux_layers: Optional[Sequence[int]]):
     """Target forward over new rows ids [n] with the cache -> (logits [n, V], aux [n, k*Ht] or None).
     aux = output_hidden_states[i] (residual stream entering layer i), concatenated."""

@@ -238,6 +238,23 @@ def test_load_hf_drafter_from_export_proposes_as_the_model(tmp_path):
     assert a[0] == b[0] and a[1] == b[1] and ra.log == rb.log and ra.log
 
 
+def test_load_drafter_and_vocab_reads_the_vocab_the_drafter_was_exported_with(tmp_path):
+    """From the export's parent (a run dir) too: the draft ids are the exported d2t's, and the
+    drafter proposes as load_hf_drafter's does."""
+    from eagle3.specdec import load_drafter_and_vocab
+    model = tiny_llama()
+    drafter, d2t = random_drafter(model, vd=V // 4)
+    export = _export_vllm(tmp_path / "run" / "export", drafter, d2t)
+    assert export == tmp_path / "run" / "export" / "vllm"
+    vocab, loaded = load_drafter_and_vocab(tmp_path / "run", model)
+    assert torch.equal(vocab.d2t, d2t) and torch.equal(vocab.draft_ids, d2t + torch.arange(d2t.numel()))
+    assert vocab.t2d.sum() == d2t.numel() and vocab.t2d[vocab.draft_ids].all()
+    p = prompts(1, seed=9)[0]
+    ra, rb = Recorder(load_hf_drafter(export, model)), Recorder(loaded)
+    assert spec_decode(model, ra, p, AUX, 3, 16, [])[0] == spec_decode(model, rb, p, AUX, 3, 16, [])[0]
+    assert ra.log == rb.log and ra.log
+
+
 def test_load_hf_drafter_refuses_an_export_whose_tensors_do_not_match(tmp_path):
     """A renamed tensor would otherwise leave its parameter at its initial values without a word."""
     from safetensors.torch import load_file, save_file
