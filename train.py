@@ -32,7 +32,7 @@ from eagle3.batch import Prefetch
 from eagle3.export import warm_start, write_export
 from eagle3.features import check_draft_vocab
 from eagle3.loss import CountedRows, TTTOutput, batch_teacher, unigram_correct
-from eagle3.losses import NEEDS_MASS, check_loss
+from eagle3.losses import check_loss
 from eagle3.model import Eagle3Drafter
 from eagle3.optim import adamw, clip_grad_norm
 from eagle3.plots import plot_runs
@@ -60,14 +60,7 @@ def lr_at(step: int, total: int, peak: float, warmup_fraction: float, min_fracti
 @hydra.main(config_path="conf", config_name="train", version_base=None)
 def main(cfg) -> None:
     c = config_schema.to_config(cfg)
-    check_loss(c.train.loss)
-    if not c.train.teacher_temperature > 0:
-        raise ValueError(f"train.teacher_temperature={c.train.teacher_temperature}: must be above 0 "
-                         f"(1 is the target's own distribution; below 1 sharpens it)")
-    if c.train.teacher_temperature != 1.0 and c.train.loss in NEEDS_MASS:
-        raise ValueError(f"train.teacher_temperature={c.train.teacher_temperature} with train.loss={c.train.loss}: "
-                         f"that loss measures acceptance against the target's own probabilities; "
-                         f"temper the teacher of soft_ce, kl or jsd only")
+    check_loss(c.train.loss, c.train.teacher_temperature)
     for key in ("log_every", "eval_every", "save_every"):
         if getattr(c.train, key) < 1:
             raise ValueError(f"train.{key}={getattr(c.train, key)}: a number of steps, at least 1 "

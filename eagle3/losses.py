@@ -20,9 +20,18 @@ LK_ETA = 3.0          # LK^lambda's eta: the value its paper recommends (arXiv 2
 _TINY = 1e-8          # floor under alpha before the log (a row the drafter gives no overlap)
 
 
-def check_loss(name: str) -> None:
+def check_loss(name: str, teacher_temperature: float = 1.0) -> None:
+    """A loss train.py can run: a known name, and a teacher temperature it applies to
+    (train.teacher_temperature tempers p; the losses built on alpha need the target's own p)."""
     if name not in LOSSES:
         raise ValueError(f"train.loss={name!r}: choose one of {', '.join(LOSSES)}")
+    if not teacher_temperature > 0:
+        raise ValueError(f"train.teacher_temperature={teacher_temperature}: must be above 0 "
+                         f"(1 is the target's own distribution; below 1 sharpens it)")
+    if teacher_temperature != 1.0 and name in NEEDS_MASS:
+        raise ValueError(f"train.teacher_temperature={teacher_temperature} with train.loss={name}: "
+                         f"that loss measures acceptance against the target's own probabilities; "
+                         f"temper the teacher of soft_ce, kl or jsd only")
 
 
 def row_losses(name: str, z: torch.Tensor, p: torch.Tensor, mass: torch.Tensor | None,
