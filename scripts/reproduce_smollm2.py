@@ -134,6 +134,10 @@ LONG["long_norms_mlp4x_b32_e10_g32"] = [*_NORMS, "train.epochs=10", "train.ttt_s
 # the committed drafter: the norms and TTT 4 (both ahead in the ablations); TTT 4's cheaper steps pay
 # for two more epochs in about the earlier recipe's GPU time
 LONG["long_norms_ttt4_b32_e12_g32"] = [*_NORMS, "train.epochs=12", "train.ttt_steps=4"]
+# every change of the staged runs at once: 32,768 tokens, a second layer grown on top, step weights
+# 0.6^s, 900 steps (under two epochs) over every answered conversation
+ONE_STAGE = ["drafter.draft_vocab_size=32768", "drafter.num_layers=2", "train.step_decay=0.6", "train.steps=900",
+             "optim.lr=1e-3"]
 # a second stage from a finished long run's export (drafter.init_from): its rows kept, the draft vocab
 # grown to 12,288 (new rows mapped from the target's head), five more epochs at a lower peak lr
 # second stages, each from a first stage's export (drafter.init_from) with a larger draft vocab:
@@ -153,21 +157,12 @@ INIT = {"long_init_v12288_e5": ("long_norms_ttt4_b32_e12_g32", 0,
         "long_init_v32768_l2_d06": ("long_init_v32768_l2", 0,
                                     ["drafter.draft_vocab_size=32768", "drafter.num_layers=2", "train.epochs=3",
                                      "optim.lr=5e-4", "train.step_decay=0.6"]),
-        # the same changes in one stage from the committed drafter: 32,768 tokens, a second layer
-        # grown on top, step weights 0.6^s, 900 steps (under two epochs) over every answered conversation
-        "long_init_v32768_one": ("long_norms_ttt4_b32_e12_g32", 0,
-                                 ["drafter.draft_vocab_size=32768", "drafter.num_layers=2", "train.step_decay=0.6",
-                                  "train.steps=900", "optim.lr=1e-3"]),
+        # the same changes in one stage from the committed drafter (ONE_STAGE)
+        "long_init_v32768_one": ("long_norms_ttt4_b32_e12_g32", 0, ONE_STAGE),
         # the same with each repetition loop's tail out of the loss
-        "long_init_v32768_one_loops16": ("long_norms_ttt4_b32_e12_g32", 0,
-                                         ["drafter.draft_vocab_size=32768", "drafter.num_layers=2",
-                                          "train.step_decay=0.6", "train.steps=900", "optim.lr=1e-3",
-                                          "data.loop_tokens=16"]),
+        "long_init_v32768_one_loops16": ("long_norms_ttt4_b32_e12_g32", 0, [*ONE_STAGE, "data.loop_tokens=16"]),
         # and a second stage of the same 900 steps from that one
-        "long_init_v32768_one_loops16_s2": ("long_init_v32768_one_loops16", 0,
-                                            ["drafter.draft_vocab_size=32768", "drafter.num_layers=2",
-                                             "train.step_decay=0.6", "train.steps=900", "optim.lr=1e-3",
-                                             "data.loop_tokens=16"])}
+        "long_init_v32768_one_loops16_s2": ("long_init_v32768_one_loops16", 0, [*ONE_STAGE, "data.loop_tokens=16"])}
 
 # ablations: the first ABL_CONVERSATIONS conversations of the answer file, two epochs of batch 16
 ABL_CONVERSATIONS = 4096
