@@ -25,8 +25,10 @@ its run directory WORK/runs/NAME:
                    layers, long_init_v32768_l2_d06 from that one with TTT step weights 0.6^s;
                    long_init_v32768_one all of those changes at once, in one stage of 900 steps
                    from the committed drafter's export, long_init_v32768_one_loops16 the same with
-                   each repetition loop's tail out of the loss (data.loop_tokens=16), and
-                   long_init_v32768_one_loops16_s2 a second such stage from that one
+                   each repetition loop's tail out of the loss (data.loop_tokens=16),
+                   long_init_v32768_one_loops16_s2 a second such stage from that one,
+                   long_init_v32768_one_t05 / _t15 / _t25 the one stage with the teacher tempered
+                   (train.teacher_temperature 0.5, 1.5, 2.5), long_init_v32768_one_1500 with 1,500 steps
     abl_*          ablations: one technique each against abl_base, on identical data and steps (the
                    first 4,096 conversations, two epochs of batch 16): the loss (lk, lk_alpha, tv,
                    jsd; kl has soft_ce's gradient), EAGLE-3.1's norms, TTT step weights (uniform,
@@ -136,8 +138,12 @@ LONG["long_norms_mlp4x_b32_e10_g32"] = [*_NORMS, "train.epochs=10", "train.ttt_s
 LONG["long_norms_ttt4_b32_e12_g32"] = [*_NORMS, "train.epochs=12", "train.ttt_steps=4"]
 # every change of the staged runs at once: 32,768 tokens, a second layer grown on top, step weights
 # 0.6^s, 900 steps (under two epochs) over every answered conversation
-ONE_STAGE = ["drafter.draft_vocab_size=32768", "drafter.num_layers=2", "train.step_decay=0.6", "train.steps=900",
-             "optim.lr=1e-3"]
+def one_stage(steps: int = 900) -> List[str]:
+    return ["drafter.draft_vocab_size=32768", "drafter.num_layers=2", "train.step_decay=0.6", f"train.steps={steps}",
+            "optim.lr=1e-3"]
+
+
+ONE_STAGE = one_stage()
 # a second stage from a finished long run's export (drafter.init_from): its rows kept, the draft vocab
 # grown to 12,288 (new rows mapped from the target's head), five more epochs at a lower peak lr
 # second stages, each from a first stage's export (drafter.init_from) with a larger draft vocab:
@@ -162,7 +168,12 @@ INIT = {"long_init_v12288_e5": ("long_norms_ttt4_b32_e12_g32", 0,
         # the same with each repetition loop's tail out of the loss
         "long_init_v32768_one_loops16": ("long_norms_ttt4_b32_e12_g32", 0, [*ONE_STAGE, "data.loop_tokens=16"]),
         # and a second stage of the same 900 steps from that one
-        "long_init_v32768_one_loops16_s2": ("long_init_v32768_one_loops16", 0, [*ONE_STAGE, "data.loop_tokens=16"])}
+        "long_init_v32768_one_loops16_s2": ("long_init_v32768_one_loops16", 0, [*ONE_STAGE, "data.loop_tokens=16"]),
+        # the one-stage run with a tempered teacher (softmax(logits / T)), and with 1,500 steps
+        "long_init_v32768_one_t05": ("long_norms_ttt4_b32_e12_g32", 0, [*ONE_STAGE, "train.teacher_temperature=0.5"]),
+        "long_init_v32768_one_t15": ("long_norms_ttt4_b32_e12_g32", 0, [*ONE_STAGE, "train.teacher_temperature=1.5"]),
+        "long_init_v32768_one_t25": ("long_norms_ttt4_b32_e12_g32", 0, [*ONE_STAGE, "train.teacher_temperature=2.5"]),
+        "long_init_v32768_one_1500": ("long_norms_ttt4_b32_e12_g32", 0, one_stage(steps=1500))}
 
 # ablations: the first ABL_CONVERSATIONS conversations of the answer file, two epochs of batch 16
 ABL_CONVERSATIONS = 4096

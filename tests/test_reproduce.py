@@ -88,6 +88,14 @@ def test_every_dependency_is_a_job_and_the_committed_recipe_is_the_documented_on
     assert [a for a in again.cmd() if not a.startswith(("run_dir=", "drafter.init_from="))] == \
         [a for a in loops if not a.startswith(("run_dir=", "drafter.init_from="))]
     assert f"drafter.init_from={tmp_path / 'runs' / 'long_init_v32768_one_loops16'}" in again.cmd()
+    # the tempered teachers and the longer run: the one-stage command with one override each
+    for name, extra in [("long_init_v32768_one_t05", ["train.teacher_temperature=0.5"]),
+                        ("long_init_v32768_one_t15", ["train.teacher_temperature=1.5"]),
+                        ("long_init_v32768_one_t25", ["train.teacher_temperature=2.5"])]:
+        assert [a for a in jobs[name].cmd() if not a.startswith("run_dir=")] == \
+            [a for a in cmd if not a.startswith("run_dir=")] + extra
+    longer = [a for a in jobs["long_init_v32768_one_1500"].cmd() if not a.startswith("run_dir=")]
+    assert longer == [a.replace("train.steps=900", "train.steps=1500") for a in cmd if not a.startswith("run_dir=")]
     # each ablation is abl_base's command plus its own overrides: identical data, batch and steps
     from reproduce_smollm2 import ABLATE
     base = jobs["abl_base"].cmd()
