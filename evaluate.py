@@ -127,15 +127,13 @@ def run_replay(e, target_dir, dtype_name, drafters, prompt_sets, tokenizer, stop
     its longest chain over all turns. Seconds are 0: nothing is timed, so tok/s and speedup are None."""
     import torch
     import transformers
-    from eagle3.replay import GreedyCache, replay_counts
+    from eagle3.replay import greedy_cache, replay_counts
     from eagle3.specdec import load_hf_drafter
-    from eagle3.targets import cache_root, fingerprint, load_target_model
+    from eagle3.targets import load_target_model
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = _torch_dtype(dtype_name, device)
     model = load_target_model(target_dir, dtype, device)
-    where = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    cache = GreedyCache(cache_root() / "greedy", f"{fingerprint(Path(target_dir))} {dtype} {where} "
-                                                 f"torch {torch.__version__} transformers {transformers.__version__}")
+    cache = greedy_cache(Path(target_dir), model)
     runs = {}                                      # prompt ids -> greedy_run
 
     def greedy(ids):

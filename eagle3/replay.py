@@ -37,6 +37,7 @@ from eagle3.durable import write_text
 from eagle3.hidden import capture_batch, pad_right
 from eagle3.loss import ttt_hits
 from eagle3.specdec import Eagle3ChainDrafter, SpecCounts, greedy_decode
+from eagle3.targets import cache_root, fingerprint
 
 
 @dataclass
@@ -87,6 +88,16 @@ class GreedyCache:
         return r
 
 
+def greedy_cache(target_dir: Path, model) -> GreedyCache:
+    """The GreedyCache under cache_root()/greedy for this target as loaded (weights, dtype, device
+    and library versions): evaluate.py's replay backend and the benches share its runs."""
+    import transformers
+    p = next(model.parameters())
+    where = torch.cuda.get_device_name(p.device) if p.device.type == "cuda" else "cpu"
+    return GreedyCache(cache_root() / "greedy", f"{fingerprint(Path(target_dir))} {p.dtype} {where} "
+                                                f"torch {torch.__version__} transformers {transformers.__version__}")
+
+
 def walk(accept: List[int], prompt_len: int, num_out: int, k: int) -> SpecCounts:
     """spec_decode's verify loop on known accept lengths: accept[r] for the chain started at row r
     (row r reads token r+1). The output ends after num_out tokens (stop or budget) whatever the
@@ -101,6 +112,24 @@ def walk(accept: List[int], prompt_len: int, num_out: int, k: int) -> SpecCounts
 
 
 @torch.no_grad()
+def chain_hits(model, drafter: Eagle3ChainDrafter, aux_layers: Sequence[int], batch: Sequence[GreedyRun],
+               num_steps: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(hits, ids) for a batch of runs laid out as prompt + tokens, right padded: hits [S, B, T] bool,
+    does step s of the chain started at row t draft the greedy token x_{t+2+s} (rows before the
+    prompt's last token and padding never hit); ids [B, T] the padded token ids."""
+    device = next(model.parameters()).device
+    draft_ids = drafter.d2t + torch.arange(drafter.d2t.numel(), device=drafter.d2t.device)
+    ids, att = pad_right([r.prompt + r.tokens for r in batch], device)
+    bt = capture_batch(model, ids, att, att, aux_layers, [str(j) for j in range(len(batch))])
+    # the token each row's drafts are judged by: the greedy next token (-1: none)
+    nxt = torch.cat([ids[:, 1:], ids.new_full((len(batch), 1), -1)], dim=1).masked_fill(~att.bool(), -1)
+    nxt[torch.arange(len(batch)), att.sum(1) - 1] = -1
+    pos = torch.arange(ids.shape[1], device=device)[None]
+    rows = (pos >= torch.tensor([len(r.prompt) - 1 for r in batch], device=device)[:, None]) & att.bool()
+    return ttt_hits(drafter.model, bt.input_ids, bt.aux, nxt, draft_ids, num_steps, rows), ids
+
+
+@torch.no_grad()
 def replay_counts(model, drafter: Eagle3ChainDrafter, aux_layers: Sequence[int], runs: Sequence[GreedyRun],
                   num_steps: Sequence[int], batch_size: int = 8) -> List[Dict[int, SpecCounts]]:
     """{k: SpecCounts} per run, for each chain length k in num_steps, from one forward of
@@ -110,20 +139,10 @@ def replay_counts(model, drafter: Eagle3ChainDrafter, aux_layers: Sequence[int],
     short = [i for i, r in enumerate(runs) if len(r.tokens) < r.num_out + S]
     if short:
         raise ValueError(f"runs {short}: the greedy decode must run {S} tokens past the output")
-    device = next(model.parameters()).device
-    draft_ids = drafter.d2t + torch.arange(drafter.d2t.numel(), device=drafter.d2t.device)
     out = []
     for i in range(0, len(runs), batch_size):
         batch = runs[i:i + batch_size]
-        seqs = [r.prompt + r.tokens for r in batch]
-        ids, att = pad_right(seqs, device)
-        bt = capture_batch(model, ids, att, att, aux_layers, [str(j) for j in range(len(batch))])
-        # the token each row's drafts are judged by: the greedy next token (-1: none)
-        nxt = torch.cat([ids[:, 1:], ids.new_full((len(batch), 1), -1)], dim=1).masked_fill(~att.bool(), -1)
-        nxt[torch.arange(len(batch)), att.sum(1) - 1] = -1
-        pos = torch.arange(ids.shape[1], device=device)[None]
-        rows = (pos >= torch.tensor([len(r.prompt) - 1 for r in batch], device=device)[:, None]) & att.bool()
-        hits = ttt_hits(drafter.model, bt.input_ids, bt.aux, nxt, draft_ids, S, rows)   # [S, B, T]
+        hits, _ = chain_hits(model, drafter, aux_layers, batch, S)
         lead = hits.int().cumprod(0).cpu()                        # [S, B, T]: steps 0..s all hit
         for b, r in enumerate(batch):
             out.append({k: walk(lead[:k, b].sum(0).tolist(), len(r.prompt), r.num_out, k) for k in num_steps})
