@@ -77,7 +77,7 @@ def main() -> None:
         first, lead = [], []
         for i in range(0, len(runs), args.batch_size):
             batch = runs[i:i + args.batch_size]
-            hits, _ = chain_hits(model, drafter, aux_layers, batch, S)          # [S, B, T]
+            hits = chain_hits(model, drafter, aux_layers, batch, S)             # [S, B, T]
             accepted = hits.int().cumprod(0).sum(0)                             # [B, T]
             for b, r in enumerate(batch):
                 # the chain started at row t drafts x_{t+2} first: rows L-1 .. L+num_out-3

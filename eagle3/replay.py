@@ -113,10 +113,10 @@ def walk(accept: List[int], prompt_len: int, num_out: int, k: int) -> SpecCounts
 
 @torch.no_grad()
 def chain_hits(model, drafter: Eagle3ChainDrafter, aux_layers: Sequence[int], batch: Sequence[GreedyRun],
-               num_steps: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(hits, ids) for a batch of runs laid out as prompt + tokens, right padded: hits [S, B, T] bool,
-    does step s of the chain started at row t draft the greedy token x_{t+2+s} (rows before the
-    prompt's last token and padding never hit); ids [B, T] the padded token ids."""
+               num_steps: int) -> torch.Tensor:
+    """[S, B, T] bool for a batch of runs laid out as prompt + tokens, right padded: does step s of
+    the chain started at row t draft the greedy token x_{t+2+s} (rows before the prompt's last token
+    and padding never hit)."""
     device = next(model.parameters()).device
     draft_ids = drafter.d2t + torch.arange(drafter.d2t.numel(), device=drafter.d2t.device)
     ids, att = pad_right([r.prompt + r.tokens for r in batch], device)
@@ -126,7 +126,7 @@ def chain_hits(model, drafter: Eagle3ChainDrafter, aux_layers: Sequence[int], ba
     nxt[torch.arange(len(batch)), att.sum(1) - 1] = -1
     pos = torch.arange(ids.shape[1], device=device)[None]
     rows = (pos >= torch.tensor([len(r.prompt) - 1 for r in batch], device=device)[:, None]) & att.bool()
-    return ttt_hits(drafter.model, bt.input_ids, bt.aux, nxt, draft_ids, num_steps, rows), ids
+    return ttt_hits(drafter.model, bt.input_ids, bt.aux, nxt, draft_ids, num_steps, rows)
 
 
 @torch.no_grad()
@@ -142,7 +142,7 @@ def replay_counts(model, drafter: Eagle3ChainDrafter, aux_layers: Sequence[int],
     out = []
     for i in range(0, len(runs), batch_size):
         batch = runs[i:i + batch_size]
-        hits, _ = chain_hits(model, drafter, aux_layers, batch, S)
+        hits = chain_hits(model, drafter, aux_layers, batch, S)
         lead = hits.int().cumprod(0).cpu()                        # [S, B, T]: steps 0..s all hit
         for b, r in enumerate(batch):
             out.append({k: walk(lead[:k, b].sum(0).tolist(), len(r.prompt), r.num_out, k) for k in num_steps})
