@@ -24,12 +24,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from eagle3.chat import render_prompt, stop_ids  # noqa: E402
+from eagle3.chat import render_prompt  # noqa: E402
 from eagle3.evaluation import load_prompts  # noqa: E402
 from eagle3.hidden import pad_right  # noqa: E402
 from eagle3.replay import chain_hits, greedy_cache  # noqa: E402
-from eagle3.specdec import load_drafter_and_vocab  # noqa: E402
-from eagle3.targets import default_aux_layers, load_target_model, load_tokenizer, resolve_target  # noqa: E402
+from eagle3.specdec import load_drafter_and_vocab, load_smollm2  # noqa: E402
 
 EDGES = [0.0, 0.3, 0.5, 0.7, 0.9, 0.99, 1.0]
 
@@ -45,14 +44,11 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_grad_enabled(False)
 
-    target_dir = resolve_target("gguf", "", "smollm2", "llama", {}, 0)
-    model = load_target_model(target_dir, torch.float32, "cpu")
-    tok = load_tokenizer(target_dir)
-    stop = stop_ids(tok, target_dir)
-    aux_layers = default_aux_layers(model.config.num_hidden_layers)
+    target = load_smollm2()
+    model, tok, stop, aux_layers = target.model, target.tokenizer, target.stop_ids, target.aux_layers
     S = args.num_steps
     t0 = time.time()
-    cache = greedy_cache(Path(target_dir), model)
+    cache = greedy_cache(target.model_dir, model)
     prompts = load_prompts(args.prompts, args.num_prompts)
     runs = [cache.run(model, render_prompt(tok, p.messages), args.max_new_tokens, stop, S) for p in prompts]
     print(f"[bench] {len(runs)} greedy runs: {cache.hits} from {cache.root}, {cache.misses} decoded "

@@ -25,14 +25,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from eagle3.chat import render_prompt, stop_ids  # noqa: E402
+from eagle3.chat import render_prompt  # noqa: E402
 from eagle3.evaluation import load_prompts  # noqa: E402
 from eagle3.hidden import capture_batch  # noqa: E402
 from eagle3.loss import ttt_loss  # noqa: E402
 from eagle3.replay import replay  # noqa: E402
-from eagle3.specdec import load_drafter_and_vocab, spec_decode  # noqa: E402
-from eagle3.targets import (default_aux_layers, load_head, load_target_model, load_tokenizer,  # noqa: E402
-                            resolve_target)
+from eagle3.specdec import load_drafter_and_vocab, load_smollm2, spec_decode  # noqa: E402
+from eagle3.targets import load_head  # noqa: E402
 
 
 def main() -> None:
@@ -46,13 +45,10 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_grad_enabled(False)
 
-    target_dir = resolve_target("gguf", "", "smollm2", "llama", {}, 0)
-    model = load_target_model(target_dir, torch.float32, "cpu")
-    tok = load_tokenizer(target_dir)
-    stop = stop_ids(tok, target_dir)
-    aux_layers = default_aux_layers(model.config.num_hidden_layers)
+    target = load_smollm2()
+    model, tok, stop, aux_layers = target.model, target.tokenizer, target.stop_ids, target.aux_layers
     vocab, drafter = load_drafter_and_vocab(args.drafter, model)
-    _, lm_head = load_head(target_dir)
+    _, lm_head = load_head(target.model_dir)
     S = args.num_steps
 
     served = torch.zeros(S)

@@ -62,14 +62,13 @@ def heldout_estimates(held, drafters: list[Path], loop_tokens: int, ttt_steps: i
     loop tails, on the same conversations and the same target forward."""
     from eagle3.hidden import capture_batch
     from eagle3.loss import ttt_loss
-    from eagle3.specdec import load_drafter_and_vocab
-    from eagle3.targets import default_aux_layers, load_head, load_target_model
+    from eagle3.specdec import load_drafter_and_vocab, load_smollm2
+    from eagle3.targets import load_head
 
     torch.set_grad_enabled(False)
-    target_dir = resolve_target("gguf", "", "smollm2", "llama", {}, 0)
-    model = load_target_model(target_dir, torch.float32, "cpu")
-    aux_layers = default_aux_layers(model.config.num_hidden_layers)
-    _, lm_head = load_head(target_dir)
+    target = load_smollm2()
+    model, aux_layers = target.model, target.aux_layers
+    _, lm_head = load_head(target.model_dir)
     loaded = [(d, *load_drafter_and_vocab(d, model)) for d in drafters]
     sums = {(d, k): [torch.zeros(ttt_steps), 0] for d, *_ in loaded for k in (0, loop_tokens)}
     for n, s in enumerate(held, 1):

