@@ -1,4 +1,5 @@
-"""Greedy decoding of Llama-architecture targets with a static KV cache, one step replayed as a CUDA graph.
+"""Greedy (or sampled) decoding of Llama-architecture targets with a static KV cache, one step replayed as
+a CUDA graph.
 
 transformers' `generate` spends each step of a small target in Python, not on the GPU, whatever the
 batch size (docs/perf.md compares the two: `bench/regenerate.py`). Here the prompt goes through the model's own forward
@@ -9,7 +10,9 @@ eagerly (that is what the tests compare with `generate`).
 
 Rows are left padded, so every row writes the same cache slot each step; a row's mask is its own
 prompt span plus the slots written so far, and its positions count from its first real token,
-exactly as `generate` does with an attention mask. ContinuousGreedy keeps a fixed set of rows
+exactly as `generate` does with an attention mask. With temperature > 0 each token is a sample of
+softmax(logits / temperature) instead of the argmax (`pick`: the Gumbel-max trick, one fixed-shape op
+that a CUDA graph replays with fresh noise each step). ContinuousGreedy keeps a fixed set of rows
 busy instead, refilling each as its answer ends; its rows sit at different positions, so each writes
 its own slot. Only the plain Llama decoder layer is supported (`supports`); other targets use
 `generate`.
@@ -34,14 +37,27 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-b, a), dim=-1)
 
 
-class StaticGreedy:
-    """greedy(prompts) -> generated ids per prompt (max_new_tokens each, stop tokens included)."""
+def pick(logits: torch.Tensor, temperature: float = 0.0) -> torch.Tensor:
+    """The next token of each row of logits [..., V]: the argmax, or with temperature > 0 a sample of
+    softmax(logits / temperature), drawn as argmax(logits / temperature - log E) with E ~ Exp(1)
+    per entry (the Gumbel-max trick: -log E is Gumbel noise)."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    e = torch.empty(logits.shape, dtype=torch.float32, device=logits.device).exponential_()
+    return (logits.float() / temperature - e.clamp_min(torch.finfo(torch.float32).tiny).log()).argmax(-1)
 
-    def __init__(self, model, max_new_tokens: int, pad_id: int):
+
+class StaticGreedy:
+    """greedy(prompts) -> generated ids per prompt (max_new_tokens each, stop tokens included).
+    temperature > 0 samples each token instead (`pick`)."""
+
+    def __init__(self, model, max_new_tokens: int, pad_id: int, temperature: float = 0.0):
         if not supports(model):
             raise ValueError(f"StaticGreedy supports plain Llama decoders, not {model.config.model_type!r}")
+        if temperature < 0:
+            raise ValueError(f"temperature {temperature}: expected 0 (greedy) or more")
         c = model.config
-        self.model, self.max_new, self.pad_id = model, max_new_tokens, pad_id
+        self.model, self.max_new, self.pad_id, self.temperature = model, max_new_tokens, pad_id, float(temperature)
         self.nh, self.nkv = c.num_attention_heads, c.num_key_value_heads
         self.hd = getattr(c, "head_dim", None) or c.hidden_size // self.nh
         self.device = next(model.parameters()).device
@@ -82,13 +98,13 @@ class StaticGreedy:
             o = torch.matmul(p, V).reshape(B, 1, self.nh * self.hd)
             h = h + a.o_proj(o)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.model.lm_head(m.norm(h))[:, 0].argmax(-1)
+        return pick(self.model.lm_head(m.norm(h))[:, 0], self.temperature)
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], prefill_tokens: int = 1 << 18,
                  stop_ids: Sequence[int] = ()) -> List[List[int]]:
-        """One batch: left-pad, prefill, decode max_new_tokens greedily (early exit once every row
-        has produced a stop id)."""
+        """One batch: left-pad, prefill, decode max_new_tokens (greedily, or sampled at the
+        temperature; early exit once every row has produced a stop id)."""
         dev, B = self.device, len(prompts)
         ids, att = (t.to(dev) for t in left_pad(prompts, self.pad_id))
         T = ids.shape[1]
@@ -106,7 +122,7 @@ class StaticGreedy:
             for i, layer_cache in enumerate(res.past_key_values.layers):
                 keys[i][sl, :, :T] = layer_cache.keys
                 values[i][sl, :, :T] = layer_cache.values
-            out[sl, 0] = res.logits[:, -1].argmax(-1)
+            out[sl, 0] = pick(res.logits[:, -1], self.temperature)
             del res
         valid = torch.cat([att.bool(), torch.ones(B, self.max_new, dtype=torch.bool, device=dev)], 1)
         arange = torch.arange(S, device=dev)
@@ -169,8 +185,9 @@ class ContinuousGreedy(StaticGreedy):
     """
 
     def __init__(self, model, max_new_tokens: int, max_prompt: int, rows: int, pad_id: int,
-                 stop_ids: Sequence[int] = (), check_every: int = 16, prefill_tokens: int = 1 << 18):
-        super().__init__(model, max_new_tokens, pad_id)
+                 stop_ids: Sequence[int] = (), check_every: int = 16, prefill_tokens: int = 1 << 18,
+                 temperature: float = 0.0):
+        super().__init__(model, max_new_tokens, pad_id, temperature)
         dev, B, S = self.device, rows, max_prompt + max_new_tokens
         self.rows, self.max_prompt = rows, max_prompt
         self.check_every, self.prefill_tokens = check_every, prefill_tokens
@@ -262,7 +279,8 @@ class ContinuousGreedy(StaticGreedy):
             # positions 0..len-1, the slots they are copied to
             res = m.model(input_ids=ids, attention_mask=att, use_cache=True,
                           position_ids=torch.arange(T, device=dev).expand_as(ids))
-            first = m.lm_head(res.last_hidden_state[torch.arange(len(group), device=dev), lens - 1]).argmax(-1)
+            first = pick(m.lm_head(res.last_hidden_state[torch.arange(len(group), device=dev), lens - 1]),
+                         self.temperature)
             for i, layer_cache in enumerate(res.past_key_values.layers):
                 self.keys[i][r, :, :T] = layer_cache.keys
                 self.values[i][r, :, :T] = layer_cache.values

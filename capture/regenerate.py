@@ -4,14 +4,15 @@
     python -m capture +experiment=kimi_k25 capture.regenerate_only=true        # sglang: the server's /generate
 
 Every run of user turns gets one greedy answer (up to capture.regen_max_new_tokens, stopping at
-eagle3.chat.stop_ids), generated with the earlier answers already replaced; the original assistant
+eagle3.chat.stop_ids; with capture.regen_temperature > 0 a sampled one instead, a different set of
+answers to the same conversations), generated with the earlier answers already replaced; the original assistant
 turns are dropped, and so is an assistant turn with no user turn before it. A conversation stops
 at the first prompt of data.max_length tokens or more (every token after that is truncated away
 by the data loader anyway).
 
 Every source of data.mix is answered into its own eagle3.data.regenerated_path (JSONL under
 ~/.cache/eagle3/regen/, keyed by the target, its chat template and template variables, the source,
-the data settings and the answer length); the user turns are kept as they are. An answer is stored
+the data settings, the answer length and any sampling temperature); the user turns are kept as they are. An answer is stored
 as eagle3.chat.assistant_turn makes it (a thinking model's reasoning in reasoning_content), so the
 training data renders the tokens the target wrote. Records are appended to
 `<key>.partial.jsonl` as chunks finish, a rerun skips the ids already there, and the file is
@@ -111,8 +112,8 @@ def cut_at_stop(ids: Sequence[int], stop_ids: Sequence[int]) -> Tuple[List[int],
 
 
 def hf_generate(model, stop_ids: Sequence[int], max_new_tokens: int, batch_size: int = 16,
-                memory_fraction: float = 0.5) -> Generate:
-    """Greedy answers in batches of similar length (longest first), left padded.
+                memory_fraction: float = 0.5, temperature: float = 0.0) -> Generate:
+    """Greedy answers (sampled at temperature > 0) in batches of similar length (longest first), left padded.
 
     Llama targets use capture/fastgen.py (static cache, CUDA graph on GPU; on CUDA a batch holds up
     to batch_size prompts, fewer when their cache would exceed memory_fraction of free memory);
@@ -123,15 +124,16 @@ def hf_generate(model, stop_ids: Sequence[int], max_new_tokens: int, batch_size:
     pad = int(stop_ids[0])
     fast = fastgen.supports(model)
     if fast:
-        dec = fastgen.StaticGreedy(model, max_new_tokens, pad_id=pad)
+        dec = fastgen.StaticGreedy(model, max_new_tokens, pad_id=pad, temperature=temperature)
 
         def decode(batch: List[List[int]]) -> List[List[int]]:
             return dec.generate(batch, stop_ids=stop_ids)
     else:
         from transformers import GenerationConfig
 
-        gen = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=list(stop_ids),
-                               pad_token_id=pad)
+        sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else \
+            dict(do_sample=False)
+        gen = GenerationConfig(**sampling, max_new_tokens=max_new_tokens, eos_token_id=list(stop_ids), pad_token_id=pad)
 
         def decode(batch: List[List[int]]) -> List[List[int]]:
             ids, att = fastgen.left_pad(batch, pad)
@@ -154,7 +156,7 @@ def hf_generate(model, stop_ids: Sequence[int], max_new_tokens: int, batch_size:
 
 
 def hf_continuous(model, stop_ids: Sequence[int], max_new_tokens: int, max_prompt_tokens: int,
-                  rows: int, memory_fraction: float = 0.5):
+                  rows: int, memory_fraction: float = 0.5, temperature: float = 0.0):
     """fastgen.ContinuousGreedy for prompts of up to max_prompt_tokens: `rows` rows, fewer on CUDA when
     their static cache (max_prompt_tokens + max_new_tokens slots each) would exceed memory_fraction of
     free memory; None for a target fastgen does not support (it answers in rounds with hf_generate)."""
@@ -167,12 +169,13 @@ def hf_continuous(model, stop_ids: Sequence[int], max_new_tokens: int, max_promp
     if device.type == "cuda":
         per_row = (max_prompt_tokens + max_new_tokens) * dec.cache_bytes_per_token()
         rows = max(1, min(rows, int(torch.cuda.mem_get_info(device)[0] * memory_fraction) // per_row))
-    return fastgen.ContinuousGreedy(model, max_new_tokens, max_prompt_tokens, rows, int(stop_ids[0]), stop_ids)
+    return fastgen.ContinuousGreedy(model, max_new_tokens, max_prompt_tokens, rows, int(stop_ids[0]), stop_ids,
+                                    temperature=temperature)
 
 
 def sglang_generate(url: str, stop_ids: Sequence[int], max_new_tokens: int, concurrency: int = 16,
-                    spool_dir: Optional[str] = None) -> Generate:
-    """Greedy /generate on a running server. On a capture server every prompt's prefill also lands
+                    spool_dir: Optional[str] = None, temperature: float = 0.0) -> Generate:
+    """Greedy (or, at temperature > 0, sampled) /generate on a running server. On a capture server every prompt's prefill also lands
     in the spool as req_regen.*: those entries are deleted as they appear (and by the capture)."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -184,7 +187,7 @@ def sglang_generate(url: str, stop_ids: Sequence[int], max_new_tokens: int, conc
         rid = f"regen.{os.getpid()}.{next(counter)}"
         ans = post_json(url.rstrip("/") + "/generate", {
             "input_ids": prompt, "rid": rid,
-            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0,
+            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": temperature,
                                 "stop_token_ids": list(stop_ids), "skip_special_tokens": False}})
         return cut_at_stop(ans.get("output_ids") or [], stop_ids)
 
@@ -357,12 +360,15 @@ def source_conversations(src: Source, data: DataConfig) -> List[Tuple[str, list]
 
 def _regenerate_hf(device: str, target_dir: Path, target: TargetConfig, capture: CaptureConfig,
                    convs: Sequence[Tuple[str, list]], path: Path, max_length: int, progress: bool,
-                   desc: str = "regenerate") -> None:
+                   desc: str = "regenerate", seed_offset: int = 0) -> None:
     tok = chat.load_tokenizer(target_dir, target)
     model = load_target_model(target_dir, model_dtype(device), device, target.trust_remote_code)
-    stop, n = chat.stop_ids(tok, target_dir), capture.regen_max_new_tokens
-    gen = hf_continuous(model, stop, n, max_length - 1, capture.regen_batch_size) if capture.regen_continuous else None
-    gen = gen or hf_generate(model, stop, n, capture.regen_batch_size)
+    stop, n, t = chat.stop_ids(tok, target_dir), capture.regen_max_new_tokens, capture.regen_temperature
+    if t > 0:
+        torch.manual_seed(capture.regen_seed + seed_offset)
+    gen = hf_continuous(model, stop, n, max_length - 1, capture.regen_batch_size, temperature=t) \
+        if capture.regen_continuous else None
+    gen = gen or hf_generate(model, stop, n, capture.regen_batch_size, temperature=t)
     regenerate_conversations(convs, tok, gen, path, max_length, progress=progress,
                              chunk=capture.regen_chunk, minutes=capture.regen_minutes, desc=desc)
 
@@ -373,7 +379,7 @@ def _worker(rank: int, workers: int, device: str, target_dir: Path, target: Targ
         device = f"cuda:{rank}"
         torch.cuda.set_device(rank)
     _regenerate_hf(device, target_dir, target, capture, convs[rank::workers], part, max_length,
-                   progress=rank == 0, desc=f"regenerate (worker 0 of {workers})")
+                   progress=rank == 0, desc=f"regenerate (worker 0 of {workers})", seed_offset=rank)
 
 
 def _regenerate_in_workers(workers: int, device: str, target_dir: Path, target: TargetConfig,
@@ -436,7 +442,8 @@ def regenerate(target_dir: Path, target: TargetConfig, data: DataConfig, capture
 
 def _regenerate_source(src: Source, target_dir: Path, target: TargetConfig, data: DataConfig,
                        capture: CaptureConfig, tok, info) -> Path:
-    key = regeneration_key(info.fingerprint, tok, src, data, capture.regen_max_new_tokens)
+    key = regeneration_key(info.fingerprint, tok, src, data, capture.regen_max_new_tokens,
+                           capture.regen_temperature)
     path = regeneration_file(key)
     write_key(path, key)
     if path.exists():
@@ -476,7 +483,8 @@ def _answer(target_dir: Path, target: TargetConfig, data: DataConfig, capture: C
         raise SystemExit(f"error: capture.backend={capture.backend!r}: expected 'hf' or 'sglang'")
     stop = chat.stop_ids(tok, target_dir)
     if capture.server_url:
-        gen = sglang_generate(capture.server_url, stop, n, capture.concurrency, capture.spool_dir)
+        gen = sglang_generate(capture.server_url, stop, n, capture.concurrency, capture.spool_dir,
+                              temperature=capture.regen_temperature)
         regenerate_conversations(convs, tok, gen, partial, data.max_length,
                                  chunk=capture.regen_chunk, minutes=capture.regen_minutes)
         return
@@ -488,6 +496,6 @@ def _answer(target_dir: Path, target: TargetConfig, data: DataConfig, capture: C
                      trust_remote_code=needs_remote_code(target_dir), python=sglang_python())
     env = {k: v for k, v in os.environ.items() if k != SPOOL_ENV}
     with running_server(cmd, env, partial.with_suffix(".server.log"), port) as (url, _):
-        gen = sglang_generate(url, stop, n, capture.concurrency)
+        gen = sglang_generate(url, stop, n, capture.concurrency, temperature=capture.regen_temperature)
         regenerate_conversations(convs, tok, gen, partial, data.max_length,
                                  chunk=capture.regen_chunk, minutes=capture.regen_minutes)

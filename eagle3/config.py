@@ -52,7 +52,8 @@ class DataConfig:
     path: str = ""                            # jsonl: the file
     # Several sources, each with a weight (MixEntry). [] = [{source, path, weight: 1}] of the two
     # keys above. With two or more entries a conversation's id is "<name>:<id>", the name being
-    # the file's stem (or "sharegpt"), so ids and the held-out split stay apart per source.
+    # the file's stem (or "sharegpt"), so ids stay apart per source; the held-out split is drawn from
+    # the id without it, so two sources answering the same conversations split them alike.
     mix: List[MixEntry] = field(default_factory=list)
     num_samples: int = 0                      # usable conversations taken from each source (0 = all)
     max_length: int = 1024                    # tokens per sample after rendering (truncated)
@@ -157,6 +158,11 @@ class CaptureConfig:
     device: str = "auto"
     regenerate: bool = False                  # train on the target's own answers (capture.regenerate_only=true writes them first)
     regen_max_new_tokens: int = 256
+    # 0: greedy answers. > 0: answers sampled from softmax(logits / temperature), seeded by regen_seed
+    # (+ the worker's rank); another set of answers to the same conversations, cached apart from the
+    # greedy ones; to train on both, name the two answer files in data.mix (capture.regenerate=false)
+    regen_temperature: float = 0.0
+    regen_seed: int = 0
     regenerate_only: bool = False             # python -m capture: write the answers (JSONL cache), no features
     regen_batch_size: int = 16                # prompts per batch (GPU: thousands; capped by free memory)
     regen_workers: int = 0                    # hf: processes answering in parallel, one per GPU (0 = one per visible GPU)

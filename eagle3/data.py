@@ -315,10 +315,18 @@ def _unit(text: str) -> float:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") / 2.0 ** 64
 
 
-def is_heldout(sample_id: str, fraction: float) -> bool:
+def is_heldout(sample_id: str, fraction: float, names: Iterable[str] = ()) -> bool:
     """Deterministic split: blake2b(conversation id) read as a number in [0, 1) below `fraction`.
-    A weighted copy ("<id>~copy<k>") goes where its conversation goes, so none leaks into training."""
-    return _unit(_COPY.sub("", sample_id)) < fraction
+    The conversation id is the sample id without a weighted copy's "~copy<k>" and without the
+    "<name>:" of a mix source named in `names`, so a copy, and every source's answer to one
+    conversation (greedy and sampled regenerations of the same file), go where the conversation
+    goes: none leaks into training."""
+    cid = _COPY.sub("", sample_id)
+    for name in names:
+        if name and cid.startswith(name + ":"):
+            cid = cid[len(name) + 1:]
+            break
+    return _unit(cid) < fraction
 
 
 def copies(conversation_id: str, weight: float) -> int:
@@ -401,7 +409,7 @@ def _build(tokenizer, sources: list[Source], num_samples: int, max_length: int, 
                 if sid in seen:
                     raise ValueError(f"data: sample id {sid!r} occurs twice (a conversation id that looks like a copy's)")
                 seen.add(sid)
-                (heldout if is_heldout(sid, heldout_fraction) else train).append(Sample(sid, ids, mask))
+                (heldout if is_heldout(sid, heldout_fraction, [src.name]) else train).append(Sample(sid, ids, mask))
                 report.samples += 1
             if num_samples and used >= num_samples:
                 report.stopped_early = True
@@ -420,24 +428,26 @@ def write_jsonl(path: str | Path, conversations: Iterable[dict]) -> None:
 
 
 def regeneration_key(target_fingerprint: str, tokenizer, src: Source, data: DataConfig,
-                     max_new_tokens: int) -> dict:
+                     max_new_tokens: int, temperature: float = 0.0) -> dict:
     """What a source's regenerated answers depend on: the target, its chat template and the
-    template's variables, the source, the data settings and the answer length. A weight is not
-    part of it: it changes how often an answer is used, not the answer."""
+    template's variables, the source, the data settings, the answer length and, for sampled
+    answers, the temperature (greedy answers' keys have none). A weight is not part of it: it
+    changes how often an answer is used, not the answer."""
     kwargs = chat.template_kwargs(tokenizer)
     return {"target": target_fingerprint, "template": template_sha256(tokenizer.chat_template),
             "source": src.source, "path": src.path, "num_samples": data.num_samples,
             "max_length": data.max_length, "max_new_tokens": max_new_tokens,
             **({"turns": data.turns, "max_prompt_chars": data.max_prompt_chars}
                if data.turns or data.max_prompt_chars else {}),
-            **({"template_kwargs": kwargs} if kwargs else {})}
+            **({"template_kwargs": kwargs} if kwargs else {}),
+            **({"temperature": float(temperature)} if temperature > 0 else {})}
 
 
 def regenerated_path(target_fingerprint: str, tokenizer, src: Source, data: DataConfig,
-                     max_new_tokens: int) -> Path:
+                     max_new_tokens: int, temperature: float = 0.0) -> Path:
     """Where the target's own answers to one source's conversations live (capture/regenerate.py
     writes them, one file per source of the mix): regeneration_file of its regeneration_key."""
-    return regeneration_file(regeneration_key(target_fingerprint, tokenizer, src, data, max_new_tokens))
+    return regeneration_file(regeneration_key(target_fingerprint, tokenizer, src, data, max_new_tokens, temperature))
 
 
 def regeneration_file(key: dict) -> Path:
@@ -466,7 +476,8 @@ def load_samples(target_dir: Path, target: TargetConfig, data: DataConfig,
     sources = mix_sources(data.mix, data.source, data.path)
     if capture is not None and capture.regenerate:
         fingerprint = target_info(target_dir).fingerprint
-        regen = [regenerated_path(fingerprint, tok, s, data, capture.regen_max_new_tokens) for s in sources]
+        regen = [regenerated_path(fingerprint, tok, s, data, capture.regen_max_new_tokens, capture.regen_temperature)
+                 for s in sources]
         missing = [str(p) for p in regen if not p.exists()]
         if missing:
             raise SystemExit(f"error: capture.regenerate=true uses the target's own answers, and "

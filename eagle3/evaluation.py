@@ -87,7 +87,7 @@ def _conversations(source: str, path: str, num_prompts: int, heldout_fraction: O
     prompts = []
     for src, (cid, messages) in ((s, c) for s in sources for c in data.iter_conversations(s.source, s.path)):
         cid = src.conversation_id(cid)
-        if heldout_fraction is not None and not data.is_heldout(cid, heldout_fraction):
+        if heldout_fraction is not None and not data.is_heldout(cid, heldout_fraction, [src.name]):
             continue
         first_user = next((i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"),
                           None) if isinstance(messages, list) else None

@@ -14,7 +14,7 @@ import torch
 
 from eagle3 import chat, checkpoint
 from eagle3.batch import Batch, collate
-from eagle3.data import is_heldout, load_samples
+from eagle3.data import is_heldout, load_samples, mix_sources
 from eagle3.features import FeatureDataset, check_compatible, template_sha256
 from eagle3.stream import STREAM_PARENT_ENV, Schedule, StreamError, open_stream, plan_stream
 from eagle3.stream_reader import StreamReader
@@ -86,7 +86,8 @@ def offline_data(c, target, pin: bool = False) -> Data:
     # the split is a function of the conversation id (eagle3.data.is_heldout), so it holds for any
     # dataset of the same conversations, whatever fraction the capture was run with
     ids = [ds.sample_id(i) for i in range(len(ds))]
-    held = [is_heldout(sid, c.data.heldout_fraction) for sid in ids]
+    names = [s.name for s in mix_sources(c.data.mix, c.data.source, c.data.path)]
+    held = [is_heldout(sid, c.data.heldout_fraction, names) for sid in ids]
     train_idx = [i for i, h in enumerate(held) if not h]
     held_idx = [i for i, h in enumerate(held) if h]
     return Data(train_idx, held_idx, lambda i: (ds[i]["input_ids"], ds[i]["loss_mask"]), ds.length,

@@ -376,8 +376,8 @@ def test_mix_copies_of_a_heldout_conversation_stay_held_out(smol, tmp_path):
     train, held, rep = build_samples(smol, "sharegpt", "", 0, 64, 0.3,
                                      mix=[MixEntry("jsonl", paths[0], 2.5), MixEntry("jsonl", paths[1], 3.0)])
 
-    def conv(sid):
-        return sid.split("~copy")[0]
+    def conv(sid):                                 # the bare conversation id the split is drawn from
+        return sid.split("~copy")[0].split(":", 1)[1]
 
     def independent(cid):
         return int(hashlib.blake2b(cid.encode(), digest_size=8).hexdigest(), 16) / 2 ** 64 < 0.3
@@ -385,7 +385,8 @@ def test_mix_copies_of_a_heldout_conversation_stay_held_out(smol, tmp_path):
     assert all(independent(conv(s.id)) for s in held) and not any(independent(conv(s.id)) for s in train)
     assert sum(1 for s in held if "~copy" in s.id) >= len({conv(s.id) for s in held})
     # the split train.py applies to a feature dataset's sample ids agrees
-    assert all(is_heldout(s.id, 0.3) for s in held) and not any(is_heldout(s.id, 0.3) for s in train)
+    names = ["mine", "theirs"]
+    assert all(is_heldout(s.id, 0.3, names) for s in held) and not any(is_heldout(s.id, 0.3, names) for s in train)
 
 
 def test_empty_mix_is_the_one_entry_form(smol, tmp_path):

@@ -335,7 +335,7 @@ def test_regeneration_evaluation_and_training_render_the_same_prompt(tmp_path, m
     answer = ("Colours: pick one.</think>" if thinking else "") + "Green."
     sent = []
 
-    def engine(model, stop_ids, max_new_tokens, batch_size):
+    def engine(model, stop_ids, max_new_tokens, batch_size, temperature=0.0):
         return lambda prompts: sent.extend(prompts) or [(tok.encode(answer, add_special_tokens=False), True)
                                                         for _ in prompts]
     monkeypatch.setattr(R, "load_target_model", lambda *a, **k: None)
