@@ -13,6 +13,8 @@ its run directory WORK/runs/NAME:
     regen_peer     SmolLM2's own answers to the first 8,000 short ShareGPT first turns
     regen_all      SmolLM2's own answers to every ShareGPT user turn (--regen-minutes: stop in time;
                    rerun to go on)
+    regen_sampled  a second answer to every user turn of the first 6,144 conversations, sampled at
+                   temperature 0.7 (capture.regen_temperature), cached apart from regen_all's
     peer_*         the same work as SpecForge's run (conf/experiment/smollm2_peer.yaml), its recipe
                    and our changes to it (lr, TTT 1, the original ShareGPT answers)
     scale_*        one epoch over the first conversations holding 8k / 20k / 30k / 55k prompts;
@@ -28,7 +30,9 @@ its run directory WORK/runs/NAME:
                    each repetition loop's tail out of the loss (data.loop_tokens=16),
                    long_init_v32768_one_loops16_s2 a second such stage from that one,
                    long_init_v32768_one_t05 / _t15 / _t25 the one stage with the teacher tempered
-                   (train.teacher_temperature 0.5, 1.5, 2.5), long_init_v32768_one_1500 with 1,500 steps
+                   (train.teacher_temperature 0.5, 1.5, 2.5), long_init_v32768_one_1500 with 1,500 steps,
+                   long_init_v32768_one_sampled on regen_all's answers and regen_sampled's together
+                   (data.mix)
     abl_*          ablations: one technique each against abl_base, on identical data and steps (the
                    first 4,096 conversations, two epochs of batch 16): the loss (lk, lk_alpha, tv,
                    jsd; kl has soft_ce's gradient), EAGLE-3.1's norms, TTT step weights (uniform,
@@ -174,6 +178,11 @@ INIT = {"long_init_v12288_e5": ("long_norms_ttt4_b32_e12_g32", 0,
         "long_init_v32768_one_t15": ("long_norms_ttt4_b32_e12_g32", 0, [*ONE_STAGE, "train.teacher_temperature=1.5"]),
         "long_init_v32768_one_t25": ("long_norms_ttt4_b32_e12_g32", 0, [*ONE_STAGE, "train.teacher_temperature=2.5"]),
         "long_init_v32768_one_1500": ("long_norms_ttt4_b32_e12_g32", 0, one_stage(steps=1500))}
+# the one stage on the greedy answers and a sampled second answer to the first SAMPLED_CONVERSATIONS
+# conversations' turns (regen_sampled), each file one entry of data.mix: name: steps
+SAMPLED_CONVERSATIONS = 6144
+SAMPLED_TEMPERATURE = 0.7
+SAMPLED = {"long_init_v32768_one_sampled": 900}
 
 # ablations: the first ABL_CONVERSATIONS conversations of the answer file, two epochs of batch 16
 ABL_CONVERSATIONS = 4096
@@ -208,7 +217,7 @@ FORMATS = {"fmt_full": "full", "fmt_compact": "compact"}
 
 def build_jobs(work: Path, dry: bool, gpus: int, regen_minutes: float = 0.0, regen_chunk: int = 4096,
                answers: Optional[Path] = None, eval_backend: str = "vllm", regen_conversations: int = 0,
-               regen_continuous: bool = False) -> List[Job]:
+               regen_continuous: bool = False, sampled: Optional[Path] = None) -> List[Job]:
     tiny = (["target=tiny_llama", "aux_layers=[2,3,4]", "data.num_samples=24", "train.steps=4",
              "train.batch_size=4", "drafter.draft_vocab_size=512", "capture.regen_max_new_tokens=8",
              "capture.regen_batch_size=8", "data.max_length=256"] if dry else [])
@@ -252,6 +261,14 @@ def build_jobs(work: Path, dry: bool, gpus: int, regen_minutes: float = 0.0, reg
         return lambda: train("smollm2_scale", name, *on_answers(0)[:2], f"data.num_samples={n}",
                              "capture.regenerate=false", f"drafter.init_from={start}", *over)
 
+    def with_sampled(name, start: Path, steps: int):
+        def cmd():
+            paths = [answers_path(), sampled or _answers_from_log(work / "logs" / "regen_sampled.log")]
+            mix = ",".join(f"{{source:jsonl,path:'{p}'}}" for p in paths)
+            return train("smollm2_scale", name, f"data.mix=[{mix}]", "data.num_samples=0", "capture.regenerate=false",
+                         f"drafter.init_from={start}", *one_stage(4 if dry else steps))
+        return cmd
+
     def ablation(name, *over):
         n = ABL_CONVERSATIONS // 100 if dry else ABL_CONVERSATIONS
         return lambda: train("smollm2_scale", name, *on_answers(0)[:2], f"data.num_samples={n}",
@@ -264,11 +281,17 @@ def build_jobs(work: Path, dry: bool, gpus: int, regen_minutes: float = 0.0, reg
                                    *([f"data.num_samples={regen_conversations}"] if regen_conversations else []),
                                    *(["capture.regen_continuous=true"] if regen_continuous else [])),
                 deps=["regen_peer"], gpus=0,
-                after=["zero3_2gpu", "kimi_zero3_2gpu"] if gpus >= 2 else [])]
+                after=["zero3_2gpu", "kimi_zero3_2gpu"] if gpus >= 2 else []),
+            Job("regen_sampled", regen("smollm2_scale", f"capture.regen_temperature={SAMPLED_TEMPERATURE}",
+                                       f"data.num_samples={SAMPLED_CONVERSATIONS // 1024 if dry else SAMPLED_CONVERSATIONS}",
+                                       f"capture.regen_chunk={regen_chunk}"), deps=["regen_all"], gpus=0)]
     jobs += [Job(n, train("smollm2_peer", n, *o), deps=["regen_peer"]) for n, o in PEER.items()]
     jobs += [Job(n, scale_train(n, k, *SCALE_COMMON, *o), deps=["regen_all"]) for n, (k, o) in SCALE.items()]
     jobs += [Job(n, scale_train(n, 0, *o), deps=["regen_all"]) for n, o in LONG.items()]
     jobs += [Job(n, second_stage(n, runs / start, k, *o), deps=[start]) for n, (start, k, o) in INIT.items()]
+    committed = "long_norms_ttt4_b32_e12_g32"
+    jobs += [Job(n, with_sampled(n, runs / committed, steps), deps=[committed, "regen_sampled"])
+             for n, steps in SAMPLED.items()]
     # the format pair first: each captures its features before it trains
     jobs += [Job(n, ablation(n, "train.mode=offline", f"capture.format={f}",
                              f"data.features_dir={work / 'features' / n}"), deps=["regen_all"]) for n, f in FORMATS.items()]
@@ -427,6 +450,8 @@ def main() -> None:
     ap.add_argument("--per-gpu", type=int, default=4, help="jobs sharing one GPU at most")
     ap.add_argument("--only", default="", help="comma-separated job names (and nothing else)")
     ap.add_argument("--answers", type=Path, help="scale_* and long_* train on this answer file instead of regen_all's")
+    ap.add_argument("--sampled-answers", type=Path,
+                    help="the *_sampled jobs train on this sampled-answer file instead of regen_sampled's")
     ap.add_argument("--regen-minutes", type=float, default=0.0, help="regen_all: time limit (0 = none)")
     ap.add_argument("--regen-chunk", type=int, default=4096, help="regen_all: conversations answered together")
     ap.add_argument("--regen-conversations", type=int, default=0,
@@ -446,7 +471,7 @@ def main() -> None:
     work = args.work.resolve()
     (work / "logs").mkdir(parents=True, exist_ok=True)
     jobs = build_jobs(work, args.dry_run, args.gpus, args.regen_minutes, args.regen_chunk, args.answers,
-                      args.eval_backend, args.regen_conversations, args.regen_continuous)
+                      args.eval_backend, args.regen_conversations, args.regen_continuous, args.sampled_answers)
     if args.only:
         keep = set(args.only.split(","))
         unknown = keep - {j.name for j in jobs}

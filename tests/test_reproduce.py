@@ -15,6 +15,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 from reproduce_smollm2 import build_jobs  # noqa: E402
 
+from eagle3.config import register, to_config  # noqa: E402
+
+register()
+
+
+def _compose(name, overrides):
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        return compose(config_name=name, overrides=overrides)
+
 
 def run(*args):
     env = dict(os.environ, OMP_NUM_THREADS="2", WANDB_MODE="disabled")
@@ -36,7 +47,8 @@ def answers_file(path: Path) -> Path:
 def test_every_dependency_is_a_job_and_the_committed_recipe_is_the_documented_one(tmp_path):
     answers = answers_file(tmp_path / "answers.jsonl")
     for gpus in (1, 2):
-        jobs = {j.name: j for j in build_jobs(tmp_path, False, gpus, answers=answers)}
+        jobs = {j.name: j for j in build_jobs(tmp_path, False, gpus, answers=answers,
+                                              sampled=tmp_path / "sampled.jsonl")}
         assert all(d in jobs for j in jobs.values() for d in j.deps + j.after)
     cmd = jobs["long_norms_ttt4_b32_e12_g32"].cmd()
     for arg in ("+experiment=smollm2_scale", "data.source=jsonl", f"data.path={answers}", "data.num_samples=0",
@@ -96,6 +108,18 @@ def test_every_dependency_is_a_job_and_the_committed_recipe_is_the_documented_on
             [a for a in cmd if not a.startswith("run_dir=")] + extra
     longer = [a for a in jobs["long_init_v32768_one_1500"].cmd() if not a.startswith("run_dir=")]
     assert longer == [a.replace("train.steps=900", "train.steps=1500") for a in cmd if not a.startswith("run_dir=")]
+    # the sampled answers: the one stage with data.mix of both answer files in place of data.path
+    sampled = jobs["long_init_v32768_one_sampled"]
+    mixed = [a for a in sampled.cmd() if not a.startswith("run_dir=")]
+    assert sampled.deps == ["long_norms_ttt4_b32_e12_g32", "regen_sampled"]
+    assert [a for a in mixed if not a.startswith("data.mix=")] == \
+        [a for a in cmd if not a.startswith(("run_dir=", "data.source=", "data.path="))]
+    over = next(a for a in mixed if a.startswith("data.mix="))
+    c = to_config(_compose("train", ["+experiment=smollm2_scale", over]))
+    assert [(e.source, e.path, e.weight) for e in c.data.mix] == \
+        [("jsonl", str(answers), 1.0), ("jsonl", str(tmp_path / "sampled.jsonl"), 1.0)]
+    regen = jobs["regen_sampled"].cmd
+    assert {"capture.regenerate_only=true", "capture.regen_temperature=0.7", "data.num_samples=6144"} <= set(regen)
     # each ablation is abl_base's command plus its own overrides: identical data, batch and steps
     from reproduce_smollm2 import ABLATE
     base = jobs["abl_base"].cmd()
