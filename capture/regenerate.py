@@ -4,24 +4,24 @@
     python -m capture +experiment=kimi_k25 capture.regenerate_only=true        # sglang: the server's /generate
 
 Every run of user turns gets one greedy answer (up to capture.regen_max_new_tokens, stopping at
-eagle3.chat.stop_ids; with capture.regen_temperature > 0 a sampled one instead, a different set of
-answers to the same conversations), generated with the earlier answers already replaced; the original assistant
-turns are dropped, and so is an assistant turn with no user turn before it. A conversation stops
-at the first prompt of data.max_length tokens or more (every token after that is truncated away
-by the data loader anyway).
+eagle3.chat.stop_ids; with capture.regen_temperature > 0 a sampled one instead, another set of
+answers to the same conversations), generated with the earlier answers already replaced; the
+original assistant turns are dropped, and so is an assistant turn with no user turn before it. A
+conversation stops at the first prompt of data.max_length tokens or more (every token after that is
+truncated away by the data loader anyway).
 
 Every source of data.mix is answered into its own eagle3.data.regenerated_path (JSONL under
 ~/.cache/eagle3/regen/, keyed by the target, its chat template and template variables, the source,
-the data settings, the answer length and any sampling temperature); the user turns are kept as they are. An answer is stored
-as eagle3.chat.assistant_turn makes it (a thinking model's reasoning in reasoning_content), so the
-training data renders the tokens the target wrote. Records are appended to
-`<key>.partial.jsonl` as chunks finish, a rerun skips the ids already there, and the file is
+the data settings, the answer length and any sampling temperature); the user turns are kept as they
+are. An answer is stored as eagle3.chat.assistant_turn makes it (a thinking model's reasoning in
+reasoning_content), so the training data renders the tokens the target wrote. Records are appended
+to `<key>.partial.jsonl` as chunks finish, a rerun skips the ids already there, and the file is
 renamed to `<key>.jsonl` once every conversation is answered (capture/answer_cache.py: the files,
 and `<key>.key.json` beside them). A run that differs from an earlier one only in data.num_samples
 starts from that run's answers to the conversations the two share (the first ones of the source):
-growing a dataset from 4,096 conversations to all of them answers only the rest. Capture and online training only
-read that file (eagle3.data.load_samples); this is the only code that starts a server or per-GPU
-workers to generate.
+growing a dataset from 4,096 conversations to all of them answers only the rest. Capture and online
+training only read that file (eagle3.data.load_samples); this is the only code that starts a server
+or per-GPU workers to generate.
 """
 from __future__ import annotations
 
@@ -175,8 +175,8 @@ def hf_continuous(model, stop_ids: Sequence[int], max_new_tokens: int, max_promp
 
 def sglang_generate(url: str, stop_ids: Sequence[int], max_new_tokens: int, concurrency: int = 16,
                     spool_dir: Optional[str] = None, temperature: float = 0.0) -> Generate:
-    """Greedy (or, at temperature > 0, sampled) /generate on a running server. On a capture server every prompt's prefill also lands
-    in the spool as req_regen.*: those entries are deleted as they appear (and by the capture)."""
+    """Greedy (at temperature > 0, sampled) /generate on a running server. On a capture server every
+    prompt's prefill also lands in the spool as req_regen.*: those entries are deleted as they appear (and by the capture)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from capture.sglang_client import post_json
@@ -431,6 +431,9 @@ def regenerate(target_dir: Path, target: TargetConfig, data: DataConfig, capture
     capture.regen_workers); sglang uses capture.server_url, or launches a plain server (capture
     plugin inert) for the time of the regeneration.
     """
+    if capture.regen_temperature < 0:
+        raise SystemExit(f"error: capture.regen_temperature={capture.regen_temperature}: expected 0 (greedy "
+                         f"answers) or more (sampled ones)")
     tok = chat.use_template_kwargs(tok, target.chat_template_kwargs)
     paths = []
     for src in mix_sources(data.mix, data.source, data.path):

@@ -138,3 +138,12 @@ def test_sampled_answers_are_cached_apart_and_split_with_their_conversations(tmp
     assert {s.id for s in single_held} == {c for c, v in side.items() if v == {"held"}}
     assert all(D.is_heldout(s.id, 0.3, ["greedy", "sampled"]) for s in held)
     assert not any(D.is_heldout(s.id, 0.3, ["greedy", "sampled"]) for s in train)
+
+
+def test_a_negative_temperature_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    monkeypatch.setattr(D, "cache_root", lambda: tmp_path / "cache")
+    data = DataConfig(source="jsonl", path=str(tmp_path / "none.jsonl"))
+    cap = CaptureConfig(backend="hf", regenerate=True, device="cpu", regen_temperature=-0.5)
+    with pytest.raises(SystemExit, match="capture.regen_temperature=-0.5"):
+        R.regenerate(tmp_path, TargetConfig(name="x"), data, cap, smollm2_tokenizer(), None)
+    assert not (tmp_path / "cache").exists()
