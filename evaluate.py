@@ -48,7 +48,7 @@ def decode_prompts(prompts: List[ev.Prompt], tokenizer, generate: Generate, labe
     prompts it holds for `config` are taken from it and each new one is added as it finishes."""
     from tqdm import tqdm
 
-    from capture.regenerate import cut_at_stop
+    from capture.answer_engines import cut_at_stop
     out = []
     for p in tqdm(prompts, desc=f"[eval] {label}", unit="prompt", file=sys.stderr, dynamic_ncols=True):
         if journal is not None and (st := journal.get(config, p)) is not None:

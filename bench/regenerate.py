@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from capture import fastgen  # noqa: E402
-from capture.regenerate import cut_at_stop  # noqa: E402
+from capture.answer_engines import cut_at_stop  # noqa: E402
 from eagle3.chat import render_prompt, stop_ids  # noqa: E402
 from eagle3.data import iter_conversations  # noqa: E402
 from eagle3.targets import load_target_model, load_tokenizer, resolve_target  # noqa: E402
@@ -145,14 +145,15 @@ def multi_turn(args, tok, model, stop) -> None:
     import json
     import tempfile
 
+    from capture import answer_engines as E
     from capture import regenerate as R
     from eagle3.config import DataConfig
     from eagle3.data import Source
 
     data = DataConfig(source="sharegpt", num_samples=args.conversations, max_length=args.max_length)
     convs = R.source_conversations(Source("", "sharegpt", ""), data)
-    engines = [("rounds", lambda: R.hf_generate(model, stop, args.new, args.batch)),   # built in turn: each
-               ("continuous", lambda: R.hf_continuous(model, stop, args.new, args.max_length - 1, args.batch))]
+    engines = [("rounds", lambda: E.hf_generate(model, stop, args.new, args.batch)),   # built in turn: each
+               ("continuous", lambda: E.hf_continuous(model, stop, args.new, args.max_length - 1, args.batch))]
     records = {}                                                                  # sizes itself to free memory
     with tempfile.TemporaryDirectory() as tmp:
         for name, engine in engines:

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from capture import fastgen
+from capture import answer_engines as E
 from capture import regenerate as R
 from eagle3 import chat
 from test_regenerate import model, tok  # noqa: F401 - the fixtures: regeneration's tiny Llama target
@@ -56,16 +57,16 @@ def test_answers_stop_at_their_own_stop_id_or_the_budget(model, prompts):
     new = 24
     full = fastgen.StaticGreedy(model, new, pad_id=0).generate(prompts)
     stops = sorted({full[0][0], full[3][1], full[5][12]})
-    ended = [R.cut_at_stop(a, stops) for a in full]
+    ended = [E.cut_at_stop(a, stops) for a in full]
     assert {f for _, f in ended} == {True, False}
     assert min(len(a) for a, f in ended if f) == 0 and max(len(a) for a, f in ended if f) >= 5
     dec = fastgen.ContinuousGreedy(model, new, max_prompt=max(LENGTHS), rows=4, pad_id=0, stop_ids=stops,
                                    check_every=5)
     got = dec.generate(prompts)
     for p, ids, (answer, finished) in zip(prompts, got, ended):
-        assert R.cut_at_stop(ids, stops) == (answer, finished)
+        assert E.cut_at_stop(ids, stops) == (answer, finished)
         assert ids == (answer + [ids[-1]] if finished else answer) and (not finished or ids[-1] in stops)
-        assert R.cut_at_stop(generate_alone(model, p, new, stops), stops) == (answer, finished)
+        assert E.cut_at_stop(generate_alone(model, p, new, stops), stops) == (answer, finished)
 
 
 def test_compacted_rows_go_on_as_generate(model, prompts, monkeypatch):
@@ -92,7 +93,7 @@ def test_compacted_rows_go_on_as_generate(model, prompts, monkeypatch):
             sizes.append(dec.rows)
     assert sizes and sizes[-1] < len(prompts) and sizes == sorted(sizes, reverse=True)
     for i, p in enumerate(prompts):
-        assert R.cut_at_stop(got[i], stops) == R.cut_at_stop(generate_alone(model, p, new, stops), stops)
+        assert E.cut_at_stop(got[i], stops) == E.cut_at_stop(generate_alone(model, p, new, stops), stops)
 
 
 def test_a_prompt_longer_than_the_cache_allows_is_refused(model):
@@ -128,9 +129,9 @@ def read(path):
 
 def rounds_and_continuous(tok, model, tmp_path, max_prompt_tokens, chunk, rows, stop_ids):
     rounds, cont = tmp_path / "rounds.jsonl", tmp_path / "continuous.jsonl"
-    R.regenerate_conversations(CONVS, tok, R.hf_generate(model, stop_ids, NEW, batch_size=2), rounds,
+    R.regenerate_conversations(CONVS, tok, E.hf_generate(model, stop_ids, NEW, batch_size=2), rounds,
                                max_prompt_tokens, progress=False, chunk=chunk)
-    dec = R.hf_continuous(model, stop_ids, NEW, max_prompt_tokens - 1, rows)
+    dec = E.hf_continuous(model, stop_ids, NEW, max_prompt_tokens - 1, rows)
     assert isinstance(dec, fastgen.ContinuousGreedy) and dec.check_every == 16
     dec.check_every = 3
     advance, checks = dec.advance, [0]
@@ -179,7 +180,7 @@ def test_continuous_regeneration_resumes_and_stops_at_the_time_limit(tok, model,
 
     stop_ids = chat.stop_ids(tok)
     whole = tmp_path / "whole.jsonl"
-    dec = R.hf_continuous(model, stop_ids, NEW, 1023, 1)             # one conversation in flight
+    dec = E.hf_continuous(model, stop_ids, NEW, 1023, 1)             # one conversation in flight
     R.regenerate_conversations(CONVS, tok, dec, whole, 1024, progress=False, chunk=1)
 
     path = tmp_path / "limited.jsonl"

@@ -14,6 +14,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from capture import answer_cache
+from capture import answer_engines as E
 from capture import regenerate as R
 from eagle3 import data as D
 from eagle3 import chat
@@ -53,7 +54,7 @@ def reference_answer(model, tok, messages, stop_ids):
     with torch.no_grad():
         out = model.generate(ids, do_sample=False, max_new_tokens=NEW, eos_token_id=stop_ids,
                              pad_token_id=stop_ids[0])
-    new, _ = R.cut_at_stop(out[0, ids.shape[1]:].tolist(), stop_ids)
+    new, _ = E.cut_at_stop(out[0, ids.shape[1]:].tolist(), stop_ids)
     return tok.decode(new, skip_special_tokens=False)
 
 
@@ -72,7 +73,7 @@ def test_answers_are_greedy_generate_and_resume_skips_done_ids(tok, model, tmp_p
         return run
 
     path = tmp_path / "regen.jsonl"
-    gen = counting(R.hf_generate(model, stop_ids, NEW, batch_size=2))   # batches of 2, left padding
+    gen = counting(E.hf_generate(model, stop_ids, NEW, batch_size=2))   # batches of 2, left padding
     R.regenerate_conversations(CONVS, tok, gen, path, max_prompt_tokens=1024, progress=False)
     recs = read(path)
     assert [r["id"] for r in recs] == ["a", "b", "c"]
@@ -107,7 +108,7 @@ def test_a_time_limit_keeps_finished_chunks_and_a_rerun_completes_them(tok, mode
     import time
 
     stop_ids = chat.stop_ids(tok)
-    gen = R.hf_generate(model, stop_ids, NEW, batch_size=4)
+    gen = E.hf_generate(model, stop_ids, NEW, batch_size=4)
 
     def slow(prompts):              # every round takes 0.3 s, so a one-conversation chunk >= 0.3 s
         time.sleep(0.3)
@@ -128,7 +129,7 @@ def test_a_prompt_at_max_length_ends_the_conversation(tok, model, tmp_path):
     stop_ids = chat.stop_ids(tok)
     first = len(chat.render_prompt(tok, CONVS[0][1][:1]))
     path = tmp_path / "regen.jsonl"
-    R.regenerate_conversations(CONVS[:1], tok, R.hf_generate(model, stop_ids, NEW), path,
+    R.regenerate_conversations(CONVS[:1], tok, E.hf_generate(model, stop_ids, NEW), path,
                                max_prompt_tokens=first + NEW + 2, progress=False)
     (rec,) = read(path)
     assert [m["role"] for m in rec["messages"]] == ["user", "assistant"]   # turn 2 would be cut away
@@ -416,9 +417,9 @@ def test_non_llama_targets_use_generate_in_padded_batches():
     assert not fastgen.supports(model)
     prompts = [[5, 6, 7], [9, 10, 11, 12, 13], [20]]
     stop = [3]
-    got = R.hf_generate(model, stop, NEW, batch_size=2)(prompts)
+    got = E.hf_generate(model, stop, NEW, batch_size=2)(prompts)
     for p, answer in zip(prompts, got):
         with torch.no_grad():
             ref = model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=NEW, eos_token_id=stop,
                                  pad_token_id=stop[0])
-        assert answer == R.cut_at_stop(ref[0, len(p):].tolist(), stop)
+        assert answer == E.cut_at_stop(ref[0, len(p):].tolist(), stop)
