@@ -81,14 +81,12 @@ def main() -> None:
                 first.append(hits[0, b, rows])
                 lead.append(accepted[b, rows])
         first, lead = torch.cat(first).float(), torch.cat(lead).float()
-        misses = torch.bincount(bins, weights=1 - first, minlength=len(names))
+        n = share.clamp(min=1.0)
+        hit, acc, misses = (torch.bincount(bins, weights=w, minlength=len(names)) for w in (first, lead, 1 - first))
         print(f"\n{path}: first draft hits {first.mean():.3f}, mean accepted {lead.mean():.3f} of {S}")
         print(f"  {'target p(token)':16s} {'tokens':>7s} {'first hits':>10s} {'accepted':>9s} {'of misses':>10s}")
         for k, name in enumerate(names):
-            n = max(share[k].item(), 1.0)
-            hit = torch.bincount(bins, weights=first, minlength=len(names))[k] / n
-            acc = torch.bincount(bins, weights=lead, minlength=len(names))[k] / n
-            print(f"  {name:16s} {share[k] / sure.numel():7.3f} {hit:10.3f} {acc:9.3f} "
+            print(f"  {name:16s} {share[k] / sure.numel():7.3f} {hit[k] / n[k]:10.3f} {acc[k] / n[k]:9.3f} "
                   f"{misses[k] / max(misses.sum().item(), 1.0):10.3f}")
 
 
