@@ -21,7 +21,8 @@ from capture import regenerate as R
 from eagle3 import data as D
 from eagle3.config import CaptureConfig, DataConfig, MixEntry, TargetConfig
 from eagle3.data import build_samples
-from eagle3.targets import resolve_target, smollm2_tokenizer, target_info
+from eagle3.targets import smollm2_tokenizer, target_info
+from tests.test_regenerate import tiny_target_and_source
 
 ROWS = 6000
 PROMPT = [3, 1, 4, 1, 5]
@@ -102,12 +103,9 @@ def test_sampled_answers_are_cached_apart_and_split_with_their_conversations(tmp
     the two files puts both answers to a conversation on the same side of the held-out split."""
     monkeypatch.setattr(D, "cache_root", lambda: tmp_path / "cache")
     tok = smollm2_tokenizer()
-    src = tmp_path / "convs.jsonl"
+    _, target, target_dir = tiny_target_and_source(tmp_path)
+    src = tmp_path / "forty.jsonl"
     src.write_text("".join(json.dumps({"id": cid, "messages": m}) + "\n" for cid, m in CONVS))
-    rc = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-          "num_key_value_heads": 2, "max_position_embeddings": 1024}
-    target = TargetConfig(name="tiny_sampling", source="random", arch="llama", random_config=rc)
-    target_dir = resolve_target(target.source, "", target.name, target.arch, rc, 0)
     info = target_info(target_dir)
     data = DataConfig(source="jsonl", path=str(src), max_length=256)
     files = {}
