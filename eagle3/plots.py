@@ -226,25 +226,30 @@ def plot_paired(comparisons: Sequence[dict], out: Path) -> Path | None:
     if not panels:
         return None
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    fig, axes = plt.subplots(len(panels), 1, figsize=(10, 4.2 * len(panels)), squeeze=False)
+    most = max(sum((c["prompts"], c["num_steps"]) == p for c in comparisons) for p in panels)
+    # one legend line per drafter, below its panel, so that many drafters never cover the dots
+    fig, axes = plt.subplots(len(panels), 1, figsize=(10, (4.2 + 0.22 * most) * len(panels)), squeeze=False)
     for ax, (prompts, steps) in zip(axes[:, 0], panels):
         mine = [c for c in comparisons if (c["prompts"], c["num_steps"]) == (prompts, steps)]
         for ci, c in enumerate(mine):
             col = colors[ci % len(colors)]
             d = sorted(c["per_prompt_diff"])
-            ax.plot(range(1, len(d) + 1), d, "o", ms=4, color=col,
-                    label=f"{c['drafter']}: {c['wins']} wins / {c['losses']} losses / {c['ties']} ties")
+            label = f"{c['drafter']}: {c['wins']} wins / {c['losses']} losses / {c['ties']} ties"
             if c["mean_diff"] is not None:
-                ax.axhline(c["mean_diff"], color=col, lw=1.2,
-                           label=f"{c['drafter']}: mean {c['mean_diff']:+.3f}")
+                ax.axhline(c["mean_diff"], color=col, lw=1.2)
+                label += f"; mean {c['mean_diff']:+.3f}"
             if c["mean_diff_ci95"]:
                 lo, hi = c["mean_diff_ci95"]
-                ax.axhspan(lo, hi, color=col, alpha=0.15, label=f"{c['drafter']}: 95% interval [{lo:+.3f}, {hi:+.3f}]")
+                ax.axhspan(lo, hi, color=col, alpha=0.15)
+                label += f" [{lo:+.3f}, {hi:+.3f}]"
+            ax.plot(range(1, len(d) + 1), d, "o", ms=4, color=col, label=label)
         ax.axhline(0.0, color="black", lw=0.8, ls="--")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set(title=f"Per-prompt tau minus {mine[0]['reference']}'s on the same prompt: {prompts}, chain of {steps}",
-               xlabel="prompt, sorted by difference", ylabel="tau difference (tokens per verify step)")
-    return _finish(fig, axes[:, 0], out)
+               xlabel="prompt, sorted by difference (line: mean difference; band: its 95% paired interval)",
+               ylabel="tau difference (tokens per verify step)")
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), frameon=False)
+    return _finish(fig, axes[:, 0], out, legend=False)
 
 
 def main(argv=None):
