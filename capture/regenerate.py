@@ -10,7 +10,9 @@ original assistant turns are dropped, and so is an assistant turn with no user t
 conversation stops at the first prompt of data.max_length tokens or more (every token after that is
 truncated away by the data loader anyway).
 
-Every source of data.mix is answered into its own eagle3.data.regenerated_path (JSONL under
+Every source of data.mix is answered into its own eagle3.data.regenerated_path, at its own
+temperature where the entry gives one (two entries of one file at 0 and 0.7: two answers to each
+conversation, in two files) (JSONL under
 ~/.cache/eagle3/regen/, keyed by the target, its chat template and template variables, the source,
 the data settings, the answer length and any sampling temperature); the user turns are kept as they
 are. An answer is stored as eagle3.chat.assistant_turn makes it (a thinking model's reasoning in
@@ -28,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -327,7 +330,9 @@ def regenerate(target_dir: Path, target: TargetConfig, data: DataConfig, capture
     tok = chat.use_template_kwargs(tok, target.chat_template_kwargs)
     paths = []
     for src in mix_sources(data.mix, data.source, data.path):
-        paths.append(_regenerate_source(src, target_dir, target, data, capture, tok, info))
+        # each source at its own temperature (data.mix), the engines below read it from capture
+        cap = dataclasses.replace(capture, regen_temperature=src.regen_temperature(capture))
+        paths.append(_regenerate_source(src, target_dir, target, data, cap, tok, info))
         if paths[-1].name.endswith(".partial.jsonl"):
             break
     return paths
@@ -339,8 +344,10 @@ def _regenerate_source(src: Source, target_dir: Path, target: TargetConfig, data
                            capture.regen_temperature)
     path = regeneration_file(key)
     write_key(path, key)
+    what = f"{src.source} {src.path}".strip() + (f" at temperature {capture.regen_temperature:g}"
+                                                   if capture.regen_temperature > 0 else "")
     if path.exists():
-        print(f"[regenerate] every conversation of {src.source} {src.path} is answered in {path}")
+        print(f"[regenerate] every conversation of {what} is answered in {path}")
         return path
     partial = path.with_name(f"{path.stem}.partial.jsonl")
     convs = source_conversations(src, data)
@@ -350,7 +357,7 @@ def _regenerate_source(src: Source, target_dir: Path, target: TargetConfig, data
         reuse_other_sizes(path, key, convs, partial)
     have = done_ids(partial)
     missing = [c for c in convs if c[0] not in have]
-    print(f"[regenerate] {len(convs) - len(missing)} of {len(convs)} conversations answered in {partial}")
+    print(f"[regenerate] {what}: {len(convs) - len(missing)} of {len(convs)} conversations answered in {partial}")
     if missing:
         _answer(target_dir, target, data, capture, tok, convs, missing, partial)
     left = len(missing) - len(done_ids(partial) & {cid for cid, _ in missing})

@@ -44,6 +44,10 @@ class MixEntry:
     # eagle3.data.copies) falls below weight - floor(weight): 0.5 = a fixed half, 2 = each twice,
     # 0 = none. Copies are samples "<id>~copy<k>" and split with their conversation.
     weight: float = 1.0
+    # With capture.regenerate: this entry's answers are the target's at this temperature (0 greedy,
+    # > 0 sampled), whatever capture.regen_temperature says; null: capture.regen_temperature. Two
+    # entries of one file at two temperatures train on two answers to each conversation.
+    temperature: Optional[float] = None
 
 
 @dataclass
@@ -51,9 +55,11 @@ class DataConfig:
     source: str = "sharegpt"                  # sharegpt (the PyPI package) | jsonl
     path: str = ""                            # jsonl: the file
     # Several sources, each with a weight (MixEntry). [] = [{source, path, weight: 1}] of the two
-    # keys above. With two or more entries a conversation's id is "<name>:<id>", the name being
-    # the file's stem (or "sharegpt"), so ids stay apart per source; the held-out split is drawn from
-    # the id without it, so two sources answering the same conversations split them alike.
+    # keys above, which must then stay unset. With two or more entries a conversation's id is
+    # "<name>:<id>", the name being the file's stem (or "sharegpt"), with "_t<temperature>" after it
+    # for an entry sampled at a temperature above 0, so ids stay apart per source; the held-out
+    # split is drawn from the id without it, so two sources answering the same conversations split
+    # them alike.
     mix: List[MixEntry] = field(default_factory=list)
     num_samples: int = 0                      # usable conversations taken from each source (0 = all)
     max_length: int = 1024                    # tokens per sample after rendering (truncated)
@@ -160,7 +166,8 @@ class CaptureConfig:
     regen_max_new_tokens: int = 256
     # 0: greedy answers. > 0: answers sampled from softmax(logits / temperature), seeded by regen_seed
     # (+ the worker's rank); another set of answers to the same conversations, cached apart from the
-    # greedy ones; to train on both, name the two answer files in data.mix (capture.regenerate=false)
+    # greedy ones. A data.mix entry's own temperature wins over it: to train on both answers, name
+    # the source twice, e.g. [{source: sharegpt, temperature: 0}, {source: sharegpt, temperature: 0.7}]
     regen_temperature: float = 0.0
     regen_seed: int = 0
     regenerate_only: bool = False             # python -m capture: write the answers (JSONL cache), no features

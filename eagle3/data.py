@@ -79,9 +79,14 @@ class Source:
     source: str
     path: str
     weight: float = 1.0
+    temperature: float | None = None          # regenerated answers at this temperature; None: capture's
 
     def conversation_id(self, cid: str) -> str:
         return f"{self.name}:{cid}" if self.name else cid
+
+    def regen_temperature(self, capture) -> float:
+        """The temperature this source's regenerated answers are drawn at: its own, else capture's."""
+        return capture.regen_temperature if self.temperature is None else float(self.temperature)
 
 
 @dataclass
@@ -339,17 +344,28 @@ def copies(conversation_id: str, weight: float) -> int:
 
 def mix_sources(mix: Iterable[MixEntry], source: str = "sharegpt", path: str = "") -> list[Source]:
     """data.mix as Sources; an empty mix is the one entry (source, path, weight 1), read as ever.
-    With several entries each is named by its file's stem (its source when it has no path)."""
-    entries = list(mix) or [MixEntry(source, path, 1.0)]
+    With several entries each is named by its file's stem (its source when it has no path), with
+    "_t<temperature>" after it when its answers are sampled (temperature > 0)."""
+    entries = list(mix)
+    if entries and (path or source != "sharegpt"):
+        raise ValueError(f"data.mix is set, so data.source={source} data.path={path} would not be read: name "
+                         f"that file in data.mix (e.g. data.mix=[{{source: jsonl, path: {path or 'FILE'}}}]) "
+                         f"or clear the mix (data.mix=[])")
+    entries = entries or [MixEntry(source, path, 1.0)]
     for e in entries:
         if e.source not in ("sharegpt", "jsonl"):
             raise ValueError(f"data.mix: unknown source {e.source!r}: expected sharegpt | jsonl")
         if e.weight < 0:
             raise ValueError(f"data.mix: weight {e.weight} of {e.source} {e.path}: expected >= 0")
-    names = [Path(e.path).stem if e.path else e.source for e in entries] if len(entries) > 1 else [""]
+        if e.temperature is not None and e.temperature < 0:
+            raise ValueError(f"data.mix: temperature {e.temperature} of {e.source} {e.path}: expected 0 "
+                             f"(greedy answers) or more (sampled ones)")
+    names = [(Path(e.path).stem if e.path else e.source) + (f"_t{e.temperature:g}" if e.temperature else "")
+             for e in entries] if len(entries) > 1 else [""]
     if len(set(names)) < len(names):
-        raise ValueError(f"data.mix: entries need distinct names (file stems): {names}")
-    return [Source(n, e.source, e.path, float(e.weight)) for n, e in zip(names, entries)]
+        raise ValueError(f"data.mix: entries need distinct names (file stems and temperatures): {names}")
+    return [Source(n, e.source, e.path, float(e.weight), None if e.temperature is None else float(e.temperature))
+            for n, e in zip(names, entries)]
 
 
 def select_turns(messages, turns: int = 0, max_prompt_chars: int = 0):
@@ -474,9 +490,14 @@ def load_samples(target_dir: Path, target: TargetConfig, data: DataConfig,
     """
     tok = chat.load_tokenizer(target_dir, target)
     sources = mix_sources(data.mix, data.source, data.path)
+    tempered = [f"{s.source} {s.path}".strip() for s in sources if s.temperature is not None]
+    if tempered and not (capture is not None and capture.regenerate):
+        raise SystemExit(f"error: data.mix gives {', '.join(tempered)} a temperature, which chooses among the "
+                         f"target's own answers, but capture.regenerate=false reads the files' own answers: set "
+                         f"capture.regenerate=true, or drop the temperatures and name the answer files instead")
     if capture is not None and capture.regenerate:
         fingerprint = target_info(target_dir).fingerprint
-        regen = [regenerated_path(fingerprint, tok, s, data, capture.regen_max_new_tokens, capture.regen_temperature)
+        regen = [regenerated_path(fingerprint, tok, s, data, capture.regen_max_new_tokens, s.regen_temperature(capture))
                  for s in sources]
         missing = [str(p) for p in regen if not p.exists()]
         if missing:

@@ -80,10 +80,14 @@ def _mt_bench(path: Path, num_prompts: int, two_turns: bool) -> List[Prompt]:
 def _conversations(source: str, path: str, num_prompts: int, heldout_fraction: Optional[float],
                    mix: Sequence = ()) -> List[Prompt]:
     """First user turn (with any system message before it) of each conversation of the mix
-    (eagle3.data.mix_sources(mix, source, path); each conversation once, whatever its weight)."""
+    (eagle3.data.mix_sources(mix, source, path); each conversation once, whatever its weight, and
+    a file named twice, at two temperatures, read once: its first turns are the same)."""
     from eagle3 import data
     from eagle3.chat import conversation_problem
-    sources = data.mix_sources(mix, source, path)
+    sources = []
+    for s in data.mix_sources(mix, source, path):
+        if all((s.source, s.path) != (o.source, o.path) for o in sources):
+            sources.append(s)
     prompts = []
     for src, (cid, messages) in ((s, c) for s in sources for c in data.iter_conversations(s.source, s.path)):
         cid = src.conversation_id(cid)

@@ -403,6 +403,16 @@ def test_empty_mix_is_the_one_entry_form(smol, tmp_path):
         data.mix_sources([MixEntry("jsonl", path), MixEntry("jsonl", path, 2.0)])
     with pytest.raises(ValueError, match="unknown source"):
         data.mix_sources([MixEntry("hf", path)])
+    # a mix leaves data.source / data.path unread, so setting both is refused, not half obeyed
+    with pytest.raises(ValueError, match="data.mix is set, so data.source=jsonl"):
+        data.mix_sources([MixEntry("jsonl", path)], "jsonl", path)
+    # one file at two temperatures: two sources, named apart; at one temperature twice: refused
+    two = data.mix_sources([MixEntry("jsonl", path, 1.0, 0.0), MixEntry("jsonl", path, 1.0, 0.7)])
+    assert [(s.name, s.temperature) for s in two] == [(Path(path).stem, 0.0), (Path(path).stem + "_t0.7", 0.7)]
+    with pytest.raises(ValueError, match="distinct names"):
+        data.mix_sources([MixEntry("jsonl", path, 1.0, 0.7), MixEntry("jsonl", path, 2.0, 0.7)])
+    with pytest.raises(ValueError, match="temperature -1"):
+        data.mix_sources([MixEntry("jsonl", path, 1.0, -1.0), MixEntry("jsonl", path, 1.0, 0.7)])
 
 
 def test_mix_and_template_kwargs_compose_from_yaml_and_the_command_line():

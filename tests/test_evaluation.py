@@ -62,6 +62,11 @@ def test_sharegpt_heldout_takes_only_heldout_ids(tmp_path):
     held = [f"c{i}" for i in range(200)
             if int.from_bytes(hashlib.blake2b(f"c{i}".encode(), digest_size=8).digest(), "big") / 2 ** 64 < 0.1]
     assert [p.id for p in ps] == held and 5 < len(held) < 40
+    # the file named twice in data.mix, greedy and sampled: each held-out conversation once
+    from eagle3.config import MixEntry
+    twice = ev._conversations("sharegpt", "", 0, 0.1, [MixEntry("jsonl", str(path), 1.0, 0.0),
+                                                        MixEntry("jsonl", str(path), 1.0, 0.7)])
+    assert [p.id for p in twice] == [f"s:{c}" for c in held]
 
 
 def test_two_turn_decode_follows_the_models_own_answer(monkeypatch):

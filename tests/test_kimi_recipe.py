@@ -43,7 +43,7 @@ def test_cfg_job_shows_all_data_regeneration_thinking_and_the_served_context():
     assert p.returncode == 0, p.stderr[-2000:]
     job = yaml.safe_load(p.stdout)
     assert job["data"]["num_samples"] == 0                                   # all usable data
-    assert job["data"]["mix"] == [{"source": "sharegpt", "path": "", "weight": 1.0}]
+    assert job["data"]["mix"] == [{"source": "sharegpt", "path": "", "weight": 1.0, "temperature": None}]
     assert job["capture"]["regenerate"] is True and job["capture"]["backend"] == "sglang"
     assert job["capture"]["tp_size"] == 8 and job["capture"]["regen_max_new_tokens"] == 2048
     assert job["target"]["chat_template_kwargs"] == {"thinking": True}

@@ -138,6 +138,41 @@ def test_sampled_answers_are_cached_apart_and_split_with_their_conversations(tmp
     assert not any(D.is_heldout(s.id, 0.3, ["greedy", "sampled"]) for s in train)
 
 
+def test_a_mix_entry_at_its_own_temperature_writes_what_capture_regen_temperature_would(tmp_path, monkeypatch):
+    """One file named twice in data.mix, at temperatures 0 and 1: one regeneration writes both
+    answer files, byte for byte those of two runs at capture.regen_temperature 0 and 1 (an entry's
+    temperature wins over capture's), and training reads both answers to each conversation."""
+    from eagle3.data import load_samples
+
+    tok = smollm2_tokenizer()
+    _, target, target_dir = tiny_target_and_source(tmp_path)
+    src = tmp_path / "forty.jsonl"
+    src.write_text("".join(json.dumps({"id": cid, "messages": m}) + "\n" for cid, m in CONVS))
+    info = target_info(target_dir)
+    kw = dict(backend="hf", regenerate=True, regen_max_new_tokens=8, device="cpu", regen_batch_size=64,
+              regen_chunk=64)
+    monkeypatch.setattr(D, "cache_root", lambda: tmp_path / "apart")
+    data = DataConfig(source="jsonl", path=str(src), max_length=256, heldout_fraction=0.3)
+    apart = [R.regenerate(target_dir, target, data, CaptureConfig(**kw, regen_temperature=t), tok, info)[0]
+             for t in (0.0, 1.0)]
+
+    monkeypatch.setattr(D, "cache_root", lambda: tmp_path / "mixed")
+    mixed = DataConfig(mix=[MixEntry("jsonl", str(src), temperature=0.0), MixEntry("jsonl", str(src), temperature=1.0)],
+                       max_length=256, heldout_fraction=0.3)
+    cap = CaptureConfig(**kw, regen_temperature=0.5)
+    paths = R.regenerate(target_dir, target, mixed, cap, tok, info)
+    assert [p.name for p in paths] == [p.name for p in apart]
+    assert [p.read_bytes() for p in paths] == [p.read_bytes() for p in apart]
+
+    _, train, held = load_samples(target_dir, target, mixed, cap)
+    ids = [s.id for s in train + held]
+    assert sorted(ids) == sorted(f"{name}:{cid}" for name in ("forty", "forty_t1") for cid, _ in CONVS)
+    by_name = {n: {s.id.split(":", 1)[1] for s in held if s.id.split(":", 1)[0] == n} for n in ("forty", "forty_t1")}
+    assert by_name["forty"] == by_name["forty_t1"] and 2 * len(by_name["forty"]) == len(held) > 0
+    with pytest.raises(SystemExit, match="capture.regenerate=false reads the files' own answers"):
+        load_samples(target_dir, target, mixed, CaptureConfig(regenerate=False))
+
+
 def test_a_negative_temperature_is_refused_before_anything_is_written(tmp_path, monkeypatch):
     monkeypatch.setattr(D, "cache_root", lambda: tmp_path / "cache")
     data = DataConfig(source="jsonl", path=str(tmp_path / "none.jsonl"))
