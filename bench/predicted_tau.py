@@ -9,7 +9,7 @@ whose chain acceptance (`accepted` / `chained`) gives the training-side estimate
 1 + sum_s accept[s]. All three are printed per draft position, on the same prompts and the same
 answer tokens.
 
-    python bench/predicted_tau.py --drafter runs/smollm2_scale --prompts mt_bench --num-prompts 20
+    python bench/predicted_tau.py --drafter runs/smollm2_committed --prompts mt_bench --num-prompts 20
     python bench/predicted_tau.py --drafter results/smollm2-drafter --prompts sharegpt_heldout
 
 The two count different starts: decoding starts a chain only after each verify, the estimate at

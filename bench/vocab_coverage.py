@@ -10,7 +10,7 @@ vocab beside them:
         --report results/evaluations/final_mt_bench_80 --drafter results/smollm2-drafter
 
 ANSWERS.jsonl: the regenerated conversations the drafter trains on (`python -m capture
-+experiment=smollm2_scale capture.regenerate_only=true` writes them); their assistant tokens are
++experiment=smollm2_committed capture.regenerate_only=true` writes them); their assistant tokens are
 counted as training counts them (eagle3.data.build_samples' loss mask, eagle3.vocab.count_tokens).
 The report's outputs are its `baseline` records, or the first drafter's when it ran without one.
 """

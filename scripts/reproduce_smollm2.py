@@ -15,6 +15,11 @@ its run directory WORK/runs/NAME:
                    rerun to go on)
     regen_sampled  a second answer to every user turn of the first 6,144 conversations, sampled at
                    temperature 0.7 (capture.regen_temperature), cached apart from regen_all's
+    regen_scale    the answers conf/experiment/smollm2_scale.yaml trains on: regen_all's, and a
+                   second one to every user turn sampled at 0.7
+    scale_best     smollm2_scale's defaults from the committed recipe's export; scale_more goes on from
+                   it (the best drafter); eval_best pairs both against the committed recipe's drafter
+                   on all 80 MT-Bench first turns, chains 3 and 7
     peer_*         the same work as SpecForge's run (conf/experiment/smollm2_peer.yaml), its recipe
                    and our changes to it (lr, TTT 1, the original ShareGPT answers)
     scale_*        one epoch over the first conversations holding 8k / 20k / 30k / 55k prompts;
@@ -183,6 +188,8 @@ INIT = {"long_init_v12288_e5": ("long_norms_ttt4_b32_e12_g32", 0,
 SAMPLED_CONVERSATIONS = 6144
 SAMPLED_TEMPERATURE = 0.7
 SAMPLED = {"long_init_v32768_one_sampled": 900}
+# smollm2_scale's drafter trained further from its export (conf/experiment/smollm2_scale.yaml's header)
+SCALE_MORE = ["optim.lr=5e-4", "train.seed=1", "train.steps=1200"]
 
 # ablations: the first ABL_CONVERSATIONS conversations of the answer file, two epochs of batch 16
 ABL_CONVERSATIONS = 4096
@@ -243,7 +250,7 @@ def build_jobs(work: Path, dry: bool, gpus: int, regen_minutes: float = 0.0, reg
         return ["data.source=jsonl", f"data.path={path}", f"data.num_samples={n}", "capture.regenerate=false"]
 
     def scale_train(name, n_prompts, *over):
-        return lambda: train("smollm2_scale", name, *on_answers(n_prompts // 1000 if dry else n_prompts), *over)
+        return lambda: train("smollm2_committed", name, *on_answers(n_prompts // 1000 if dry else n_prompts), *over)
 
     def evaluate(exp, group, names, prompts, data=lambda: [], *over, trained_only=False):
         """trained_only: judge those of `names` whose run has an export (a subset run with --only)."""
@@ -258,33 +265,35 @@ def build_jobs(work: Path, dry: bool, gpus: int, regen_minutes: float = 0.0, reg
 
     def second_stage(name, start: Path, conversations: int, *over):
         n = conversations // 100 if dry else conversations
-        return lambda: train("smollm2_scale", name, *on_answers(0)[:2], f"data.num_samples={n}",
+        return lambda: train("smollm2_committed", name, *on_answers(0)[:2], f"data.num_samples={n}",
                              "capture.regenerate=false", f"drafter.init_from={start}", *over)
 
     def with_sampled(name, start: Path, steps: int):
         def cmd():
             paths = [answers_path(), sampled or _answers_from_log(work / "logs" / "regen_sampled.log")]
             mix = ",".join(f"{{source:jsonl,path:'{p}'}}" for p in paths)
-            return train("smollm2_scale", name, f"data.mix=[{mix}]", "data.num_samples=0", "capture.regenerate=false",
+            return train("smollm2_committed", name, f"data.mix=[{mix}]", "data.num_samples=0", "capture.regenerate=false",
                          f"drafter.init_from={start}", *one_stage(4 if dry else steps))
         return cmd
 
     def ablation(name, *over):
         n = ABL_CONVERSATIONS // 100 if dry else ABL_CONVERSATIONS
-        return lambda: train("smollm2_scale", name, *on_answers(0)[:2], f"data.num_samples={n}",
+        return lambda: train("smollm2_committed", name, *on_answers(0)[:2], f"data.num_samples={n}",
                              "capture.regenerate=false", *ABL_COMMON, *over)
 
     # regen_all shares its GPUs with trainings; the 2-GPU checks go first (they are short)
     jobs = [Job("regen_peer", regen("smollm2_peer"), gpus=0, exclusive=True),
-            Job("regen_all", regen("smollm2_scale", f"capture.regen_minutes={regen_minutes}",
+            Job("regen_all", regen("smollm2_committed", f"capture.regen_minutes={regen_minutes}",
                                    f"capture.regen_chunk={regen_chunk}",
                                    *([f"data.num_samples={regen_conversations}"] if regen_conversations else []),
                                    *(["capture.regen_continuous=true"] if regen_continuous else [])),
                 deps=["regen_peer"], gpus=0,
                 after=["zero3_2gpu", "kimi_zero3_2gpu"] if gpus >= 2 else []),
-            Job("regen_sampled", regen("smollm2_scale", f"capture.regen_temperature={SAMPLED_TEMPERATURE}",
+            Job("regen_sampled", regen("smollm2_committed", f"capture.regen_temperature={SAMPLED_TEMPERATURE}",
                                        f"data.num_samples={SAMPLED_CONVERSATIONS // 1024 if dry else SAMPLED_CONVERSATIONS}",
-                                       f"capture.regen_chunk={regen_chunk}"), deps=["regen_all"], gpus=0)]
+                                       f"capture.regen_chunk={regen_chunk}"), deps=["regen_all"], gpus=0),
+            Job("regen_scale", regen("smollm2_scale", f"capture.regen_chunk={regen_chunk}"), deps=["regen_all"],
+                gpus=0, after=["regen_sampled"])]
     jobs += [Job(n, train("smollm2_peer", n, *o), deps=["regen_peer"]) for n, o in PEER.items()]
     jobs += [Job(n, scale_train(n, k, *SCALE_COMMON, *o), deps=["regen_all"]) for n, (k, o) in SCALE.items()]
     jobs += [Job(n, scale_train(n, 0, *o), deps=["regen_all"]) for n, o in LONG.items()]
@@ -292,20 +301,28 @@ def build_jobs(work: Path, dry: bool, gpus: int, regen_minutes: float = 0.0, reg
     committed = "long_norms_ttt4_b32_e12_g32"
     jobs += [Job(n, with_sampled(n, runs / committed, steps), deps=[committed, "regen_sampled"])
              for n, steps in SAMPLED.items()]
+    jobs += [Job("scale_best", lambda: train("smollm2_scale", "scale_best", f"drafter.init_from={runs / committed}"),
+                 deps=[committed, "regen_scale"]),
+             Job("scale_more", lambda: train("smollm2_scale", "scale_more", *SCALE_MORE,
+                                             f"drafter.init_from={runs / 'scale_best' / 'export' / 'vllm'}"),
+                 deps=["scale_best"]),
+             Job("eval_best", evaluate("smollm2_scale", "eval_best", [committed, "scale_best", "scale_more"], "mt_bench",
+                                       lambda: [], "eval.num_prompts=0", "eval.chains=[3,7]", "eval.baseline=false"),
+                 deps=[committed, "scale_more"])]
     # the format pair first: each captures its features before it trains
     jobs += [Job(n, ablation(n, "train.mode=offline", f"capture.format={f}",
                              f"data.features_dir={work / 'features' / n}"), deps=["regen_all"]) for n, f in FORMATS.items()]
     jobs += [Job(n, ablation(n, *o), deps=["regen_all"]) for n, o in ABLATE.items()]
-    jobs += [Job(f"eval_{n}", evaluate("smollm2_scale", f"eval_{n}", [n], "mt_bench", lambda: [],
+    jobs += [Job(f"eval_{n}", evaluate("smollm2_committed", f"eval_{n}", [n], "mt_bench", lambda: [],
                                        "eval.num_prompts=0", "eval.chains=[3,7]", "eval.baseline=false"),
                  deps=[n]) for n in [*ABLATE, *FORMATS]]
-    jobs += [Job("eval_ablations", evaluate("smollm2_scale", "eval_ablations", [*ABLATE, *FORMATS], "mt_bench",
+    jobs += [Job("eval_ablations", evaluate("smollm2_committed", "eval_ablations", [*ABLATE, *FORMATS], "mt_bench",
                                             lambda: [], "eval.num_prompts=0", "eval.chains=[3,7]",
                                             "eval.baseline=false", "eval.reference=abl_base", trained_only=True),
                  deps=[*ABLATE, *FORMATS])]
     jobs += [Job("eval_peer", evaluate("smollm2_peer", "eval_peer", list(PEER), "mt_bench"), deps=list(PEER)),
-             Job("eval_scale", evaluate("smollm2_scale", "eval_scale", list(SCALE), "mt_bench"), deps=list(SCALE)),
-             Job("eval_long", evaluate("smollm2_scale", "eval_long", list(LONG), "mt_bench,mt_bench_2turn,sharegpt_heldout",
+             Job("eval_scale", evaluate("smollm2_committed", "eval_scale", list(SCALE), "mt_bench"), deps=list(SCALE)),
+             Job("eval_long", evaluate("smollm2_committed", "eval_long", list(LONG), "mt_bench,mt_bench_2turn,sharegpt_heldout",
                                        lambda: on_answers(0)[:2]), deps=list(LONG))]
     if gpus >= 2:
         base = ["+experiment=tiny", f"data.features_dir={work / 'features_tiny'}", "train.steps=20",

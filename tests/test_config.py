@@ -99,3 +99,42 @@ def test_wrong_type_fails():
 def test_unknown_experiment_fails():
     with pytest.raises(ConfigCompositionException):
         _compose("train", ["+experiment=no_such_thing"])
+
+
+# what a run's recorded config may differ in from the experiment that trains it: where it ran and
+# wrote, checkpoints and logging, and how its data were named (files on that machine; the experiment
+# names the same two sets of answers by source and temperature, which capture writes and training reads)
+WHERE = {"run_dir", "eval.out_dir", "data.features_dir", "data.mix", "capture.regenerate",
+         "capture.draft_vocab_size", "train.save_every", "train.wandb", "drafter.init_from"}
+
+
+def _flat(d, prefix=""):
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+@pytest.mark.parametrize("run, overrides", [
+    ("init_v32768_sampled_all_1800", []),
+    ("init_v32768_all_1800_plus1200", ["drafter.init_from=runs/smollm2_scale/export/vllm", "optim.lr=5e-4",
+                                       "train.seed=1", "train.steps=1200"])])
+def test_smollm2_scale_is_the_measured_best_recipe(run, overrides):
+    """`+experiment=smollm2_scale` is, setting for setting, the run results/training/<run>/config.yaml
+    records (the 1,800-step drafter), and the further stage its header gives is the 10% drafter's run."""
+    import yaml
+    from omegaconf import OmegaConf
+
+    cfg = _compose("train", ["+experiment=smollm2_scale", *overrides])
+    ours = _flat(OmegaConf.to_container(cfg, resolve=True))
+    recorded = _flat(yaml.safe_load((CONF.parent / "results" / "training" / run / "config.yaml").read_text()))
+    assert ours.keys() == recorded.keys()
+    differ = {k for k in ours if ours[k] != recorded[k]}
+    assert differ <= WHERE, {k: (ours[k], recorded[k]) for k in differ - WHERE}
+    assert [(e["source"], e["temperature"]) for e in ours["data.mix"]] == [("sharegpt", 0.0), ("sharegpt", 0.7)]
+    assert [Path(e["path"]).stem for e in recorded["data.mix"]] == ["answers", "sampled"]
+    assert ours["drafter.init_from"] == (overrides[0].split("=")[1] if overrides else "results/smollm2-drafter")
+    if not overrides:
+        assert recorded["drafter.init_from"] == "results/smollm2-drafter"
+    header = (CONF / "experiment" / "smollm2_scale.yaml").read_text()
+    assert all(o in header for o in overrides)
