@@ -10,13 +10,13 @@ original assistant turns are dropped, and so is an assistant turn with no user t
 conversation stops at the first prompt of data.max_length tokens or more (every token after that is
 truncated away by the data loader anyway).
 
-Every source of data.mix is answered into its own eagle3.data.regenerated_path, at its own
-temperature where the entry gives one (two entries of one file at 0 and 0.7: two answers to each
-conversation, in two files) (JSONL under
-~/.cache/eagle3/regen/, keyed by the target, its chat template and template variables, the source,
-the data settings, the answer length and any sampling temperature); the user turns are kept as they
-are. An answer is stored as eagle3.chat.assistant_turn makes it (a thinking model's reasoning in
-reasoning_content), so the training data renders the tokens the target wrote. Records are appended
+Every source of data.mix is answered into its own eagle3.data.regenerated_path, at the entry's own
+temperature where it gives one, so one file named at 0 and at 0.7 gets two answers to each
+conversation, in two files. The files are JSONL under ~/.cache/eagle3/regen/, keyed by the
+target, its chat template and template variables, the source, the data settings, the answer length
+and any sampling temperature; the user turns are kept as they are. An answer is stored as
+eagle3.chat.assistant_turn makes it (a thinking model's reasoning in reasoning_content), so the
+training data renders the tokens the target wrote. Records are appended
 to `<key>.partial.jsonl` as chunks finish, a rerun skips the ids already there, and the file is
 renamed to `<key>.jsonl` once every conversation is answered (capture/answer_cache.py: the files,
 and `<key>.key.json` beside them). A run that differs from an earlier one only in data.num_samples
@@ -27,10 +27,10 @@ or per-GPU workers to generate.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
