@@ -344,15 +344,14 @@ def _regenerate_source(src: Source, target_dir: Path, target: TargetConfig, data
                            capture.regen_temperature)
     path = regeneration_file(key)
     write_key(path, key)
-    what = f"{src.source} {src.path}".strip() + (f" at temperature {capture.regen_temperature:g}"
-                                                   if capture.regen_temperature > 0 else "")
+    what = src.label + (f" at temperature {capture.regen_temperature:g}" if capture.regen_temperature > 0 else "")
     if path.exists():
         print(f"[regenerate] every conversation of {what} is answered in {path}")
         return path
     partial = path.with_name(f"{path.stem}.partial.jsonl")
     convs = source_conversations(src, data)
     if not convs:
-        raise SystemExit(f"error: no conversation with a user turn in {src.source} {src.path}")
+        raise SystemExit(f"error: no conversation with a user turn in {src.label}")
     if not partial.exists():
         reuse_other_sizes(path, key, convs, partial)
     have = done_ids(partial)

@@ -81,6 +81,11 @@ class Source:
     weight: float = 1.0
     temperature: float | None = None          # regenerated answers at this temperature; None: capture's
 
+    @property
+    def label(self) -> str:
+        """How messages name it: "sharegpt" or "jsonl FILE"."""
+        return f"{self.source} {self.path}".strip()
+
     def conversation_id(self, cid: str) -> str:
         return f"{self.name}:{cid}" if self.name else cid
 
@@ -490,7 +495,7 @@ def load_samples(target_dir: Path, target: TargetConfig, data: DataConfig,
     """
     tok = chat.load_tokenizer(target_dir, target)
     sources = mix_sources(data.mix, data.source, data.path)
-    tempered = [f"{s.source} {s.path}".strip() for s in sources if s.temperature is not None]
+    tempered = [s.label for s in sources if s.temperature is not None]
     if tempered and not (capture is not None and capture.regenerate):
         raise SystemExit(f"error: data.mix gives {', '.join(tempered)} a temperature, which chooses among the "
                          f"target's own answers, but capture.regenerate=false reads the files' own answers: set "
@@ -509,6 +514,6 @@ def load_samples(target_dir: Path, target: TargetConfig, data: DataConfig,
                                  data.min_loss_tokens, data.turns, data.max_prompt_chars, data.loop_tokens)
     print(f"[data] {report.summary()}")
     if not train:
-        where = ", ".join(f"{s.source} {s.path}".strip() for s in sources)
+        where = ", ".join(s.label for s in sources)
         raise SystemExit(f"error: no usable training conversations from {where}: {report.summary()}")
     return tok, train, held

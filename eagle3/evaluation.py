@@ -102,7 +102,7 @@ def _conversations(source: str, path: str, num_prompts: int, heldout_fraction: O
         if num_prompts and len(prompts) == num_prompts:
             break
     if not prompts:
-        where = ", ".join(f"{s.source} {s.path}".strip() for s in sources)
+        where = ", ".join(s.label for s in sources)
         raise ValueError(f"no usable prompts in {where} (held-out split: {heldout_fraction})")
     return prompts
 

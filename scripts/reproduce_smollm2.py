@@ -292,6 +292,8 @@ def build_jobs(work: Path, dry: bool, gpus: int, regen_minutes: float = 0.0, reg
             Job("regen_sampled", regen("smollm2_committed", f"capture.regen_temperature={SAMPLED_TEMPERATURE}",
                                        f"data.num_samples={SAMPLED_CONVERSATIONS // 1024 if dry else SAMPLED_CONVERSATIONS}",
                                        f"capture.regen_chunk={regen_chunk}"), deps=["regen_all"], gpus=0),
+            # after regen_sampled: its sampled answers differ from these only in data.num_samples, so
+            # this regeneration starts from them (capture/regenerate.py) and answers only the rest
             Job("regen_scale", regen("smollm2_scale", f"capture.regen_chunk={regen_chunk}"), deps=["regen_all"],
                 gpus=0, after=["regen_sampled"])]
     jobs += [Job(n, train("smollm2_peer", n, *o), deps=["regen_peer"]) for n, o in PEER.items()]
