@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -339,9 +340,11 @@ def journal_for(e, dtype_name: str, target_fingerprint: str, stop: List[int], ou
 def drafter_name(path: str) -> str:
     p = Path(path).resolve()
     if p.parent.name == "export":          # <run_dir>/export/<engine>
-        return p.parent.parent.name
-    if p.name in ("sglang", "vllm"):       # <name>/<engine>: an export kept outside a run dir
-        return p.parent.name
+        p = p.parent.parent
+    elif p.name in ("sglang", "vllm"):     # <name>/<engine>: an export kept outside a run dir
+        p = p.parent
+    if re.fullmatch(r"stage\d+", p.name):   # an earlier stage of a run trained in stages (train.stages)
+        return f"{p.parent.name}_{p.name}"
     return p.name
 
 

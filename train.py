@@ -12,6 +12,7 @@ it), then save + export + curves. Everything the run writes lives in `run_dir`.
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
@@ -29,6 +30,7 @@ from capture.run import capture_features
 from capture.sglang_server import free_port
 from eagle3 import checkpoint, config as config_schema, fused
 from eagle3.batch import Prefetch
+from eagle3.durable import write_text
 from eagle3.export import warm_start, write_export
 from eagle3.features import check_draft_vocab
 from eagle3.loss import CountedRows, TTTOutput, batch_teacher, unigram_correct
@@ -59,25 +61,46 @@ def lr_at(step: int, total: int, peak: float, warmup_fraction: float, min_fracti
 
 @hydra.main(config_path="conf", config_name="train", version_base=None)
 def main(cfg) -> None:
+    """The run, or its stages one after another (train.stages) on one accelerator."""
+    try:
+        plan = config_schema.plan_stages(cfg)   # every stage's config, checked before the first one starts
+        for stage in plan:
+            check_settings(config_schema.to_config(stage.cfg), f"{stage.name}: " if stage.count > 1 else "")
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+    acc = make_accelerator(config_schema.to_config(cfg))
+    if acc.is_main_process and not cfg.resume:
+        set_aside_previous_run(Path(cfg.run_dir))
+    acc.wait_for_everyone()
+    for stage in plan:
+        if stage.count > 1:
+            if cfg.resume and stage.done and stage.index < stage.count:
+                try:
+                    config_schema.check_finished_stage(stage)
+                except ValueError as e:
+                    sys.exit(f"error: {e}")
+                if acc.is_main_process:
+                    print(f"[train] {stage.name} finished earlier: {stage.run_dir} (skipped)")
+                continue
+            if acc.is_main_process:
+                print(f"[train] {stage.name}: {stage.run_dir}, from {stage.cfg.drafter.init_from or 'scratch'}")
+        train_run(stage.cfg, acc)
+        acc.free_memory()
+    acc.end_training()
+
+
+def train_run(cfg, acc) -> None:
+    """One run: set-up, the step loop, save + export + curves, all in cfg.run_dir."""
     c = config_schema.to_config(cfg)
-    check_loss(c.train.loss, c.train.teacher_temperature)
-    for key in ("log_every", "eval_every", "save_every"):
-        if getattr(c.train, key) < 1:
-            raise ValueError(f"train.{key}={getattr(c.train, key)}: a number of steps, at least 1 "
-                             f"(a value past train.steps acts only at the last step)")
     if c.train.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")   # before cuBLAS starts: its deterministic mode
         torch.use_deterministic_algorithms(True)
     run_dir = Path(c.run_dir)
-    acc = make_accelerator(c)
     device, rank, world, is_main = acc.device, acc.process_index, acc.num_processes, acc.is_main_process
     use_ds = acc.distributed_type == DistributedType.DEEPSPEED
     compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     fused.set_enabled(False if c.train.deterministic else c.train.compile)
     torch.manual_seed(c.train.seed)
-    if is_main and not c.resume:
-        set_aside_previous_run(run_dir)
-    acc.wait_for_everyone()
 
     # ---- target (config.json only; loaded whole only to capture or for online training) and data ----
     features_dir = Path(c.data.features_dir)
@@ -252,10 +275,23 @@ def main(cfg) -> None:
         exports = write_export(run_dir, full, shape, vocab, target)
         curves = plot_runs([run_dir], run_dir / "curves.png")
         log.close()
+        done = {"steps": total, "export": {k: str(v) for k, v in exports.items()}}
+        write_text(run_dir / config_schema.DONE, json.dumps(done) + "\n")   # last: every step trained and exported
         print(f"[train] done in {time.time() - t0:.0f}s\n[train] export: {exports['sglang']}  {exports['vllm']}\n"
               f"[train] curves: {curves}\n[train] metrics: {run_dir / 'metrics.jsonl'}")
     acc.wait_for_everyone()
-    acc.end_training()
+
+
+def check_settings(c, where: str = "") -> None:
+    """Settings the schema's types cannot check, refused before anything starts."""
+    try:
+        check_loss(c.train.loss, c.train.teacher_temperature)
+    except ValueError as e:
+        raise ValueError(f"{where}{e}") from None
+    for key in ("log_every", "eval_every", "save_every"):
+        if getattr(c.train, key) < 1:
+            raise ValueError(f"{where}train.{key}={getattr(c.train, key)}: a number of steps, at least 1 "
+                             f"(a value past train.steps acts only at the last step)")
 
 
 def make_accelerator(c):
@@ -371,9 +407,9 @@ def heldout_eval(acc, prepare, run_loss, held: list[int], t, shard: slice, vocab
 
 
 def set_aside_previous_run(run_dir: Path) -> None:
-    """A fresh run (resume=false) in a run_dir that already holds a run moves the old one aside
-    instead of mixing with or deleting it."""
-    if (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists():
+    """A fresh run (resume=false) in a run_dir that already holds a run (or a run's first stage) moves
+    the old one aside instead of mixing with or deleting it."""
+    if any((run_dir / name).exists() for name in ("metrics.jsonl", "checkpoints", "stage1")):
         old = run_dir.with_name(f"{run_dir.name}.{time.strftime('%Y%m%d-%H%M%S', time.localtime(run_dir.stat().st_mtime))}")
         run_dir.rename(old)
         print(f"[train] {run_dir} held an earlier run: moved it to {old} (pass resume=true to continue a run)")
@@ -382,8 +418,6 @@ def set_aside_previous_run(run_dir: Path) -> None:
 def capture_command_message(c) -> str:
     """The commands that make the missing feature dataset, then train: regeneration (when
     capture.regenerate), capture, training. SGLang servers run in $EAGLE3_SGLANG_PYTHON's environment."""
-    import json
-
     from capture.sglang_server import capture_server_cmd
     from eagle3.serving import SGLANG_PYTHON_ENV, sglang_python
 

@@ -6,14 +6,17 @@
     python -m capture +experiment=smollm2_peer capture.regenerate_only=true       # the target's answers only
     python -m capture +experiment=NAME train.mode=stream data.disk_budget_gb=500  # producer of a streaming run
 
-Two stages: with capture.regenerate_only the target answers the conversations (JSONL, for capture
+Two steps: with capture.regenerate_only the target answers the conversations (JSONL, for capture
 and online training to read); otherwise the features are captured. An experiment with
 capture.regenerate=true needs the first before the second. Rerunning the same command after an
-interruption resumes where it stopped.
+interruption resumes where it stopped. A run trained in stages (train.stages) gets the data of
+every stage, each distinct set once.
 """
 from __future__ import annotations
 
 from pathlib import Path
+
+import sys
 
 import hydra
 
@@ -26,7 +29,19 @@ config_schema.register()
 
 @hydra.main(config_path="../conf", config_name="capture", version_base=None)
 def main(cfg) -> None:
-    c = config_schema.to_config(cfg)
+    try:
+        plan = [config_schema.to_config(s.cfg) for s in config_schema.plan_stages(cfg)]
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+    seen = []
+    for c in plan:   # the stages' data, each distinct set once
+        key = (c.target, c.aux_layers, c.data, c.capture)
+        if key not in seen:
+            seen.append(key)
+            capture_one(c)
+
+
+def capture_one(c) -> None:
     t = c.target
     target = prepare_target(t.source, t.path, t.name, t.arch, t.random_config, t.seed, c.aux_layers)
     if c.capture.regenerate_only:

@@ -2,15 +2,18 @@
 
 YAML files under conf/ only give values; a key not declared here, or a value of the wrong type,
 fails at start-up with Hydra's own message. The schema stops at the entry points: they turn the
-config into these dataclasses (`to_object`) and pass plain values on.
+config into these dataclasses (`to_object`) and pass plain values on. A run in stages
+(`train.stages`) is one config per stage, composed here (`plan_stages`) before any stage starts.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import II, MISSING, OmegaConf
+from omegaconf import II, MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 
 @dataclass
@@ -145,6 +148,8 @@ class TrainConfig:
     # autotuned kernels otherwise make two runs of the same steps differ in their last bits
     deterministic: bool = False
     profile_steps: List[int] = field(default_factory=list)   # [first, last]: torch.profiler over them (eagle3/profiling.py)
+    # further runs, each from the export of the one before, with these keys changed (plan_stages)
+    stages: List[Dict[str, Any]] = field(default_factory=list)
     wandb: bool = True
 
 
@@ -242,3 +247,98 @@ def register() -> None:
 def to_config(cfg) -> Config:
     """Hydra DictConfig -> the typed dataclass tree (interpolations resolved)."""
     return OmegaConf.to_object(cfg)
+
+
+def flatten(d: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1}; lists stay values."""
+    out: Dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+# ---- training in stages: one command, several runs, each from the export of the one before ----
+# Each train.stages entry is a fragment applied on top of the stage before it. Stage k of n (k < n)
+# trains in <run_dir>/stage<k>/ and the next starts from its export; the last trains in run_dir
+# itself, so <run_dir>/export/ is the final drafter. These keys the stages set themselves (where each
+# writes, what it starts from) or share (the processes and devices of the whole launch):
+STAGE_FIXED = ("run_dir", "resume", "train.stages", "drafter.init_from", "train.device", "dist")
+DONE = "done.json"   # written last by a run that trained all its steps and exported them
+
+
+@dataclass
+class Stage:
+    index: int                 # 1-based
+    count: int
+    run_dir: Path
+    cfg: DictConfig            # the whole run's config, train.stages emptied
+
+    @property
+    def name(self) -> str:
+        return f"stage {self.index} of {self.count}"
+
+    @property
+    def done(self) -> bool:
+        return (self.run_dir / DONE).exists()
+
+
+def plan_stages(cfg: DictConfig) -> List[Stage]:
+    """The run's stages in order: one (the run itself) when train.stages is empty. Every stage's
+    config is composed and checked here, so a bad last stage fails before the first one starts;
+    ValueError names the fragment and the key."""
+    fragments, run_dir = list(cfg.train.stages), Path(cfg.run_dir)
+    if not fragments:
+        return [Stage(1, 1, run_dir, cfg)]
+    n = len(fragments) + 1
+    stages, current = [], _stage_config(cfg, run_dir / "stage1", cfg.drafter.init_from)
+    for i, fragment in enumerate(fragments):
+        stages.append(Stage(i + 1, n, Path(current.run_dir), current))
+        where = f"train.stages[{i}]"
+        if not isinstance(fragment, DictConfig):
+            raise ValueError(f"{where}: expected a mapping of keys to change, like "
+                             f"{{optim: {{lr: 5.0e-4}}, train: {{steps: 1200}}}}; got {fragment!r}")
+        fixed = [k for k in flatten(OmegaConf.to_container(fragment))
+                 if any(k == f or k.startswith(f + ".") for f in STAGE_FIXED)]
+        if fixed:
+            raise ValueError(f"{where} sets {', '.join(fixed)}: the stages set these themselves (each writes to "
+                             f"its own run dir and starts from the export before it) or share them; leave them out")
+        try:
+            merged = OmegaConf.merge(current, fragment)
+        except OmegaConfBaseException as e:
+            raise ValueError(f"{where}: {e}") from None
+        next_dir = run_dir if i + 1 == len(fragments) else run_dir / f"stage{i + 2}"
+        current = _stage_config(merged, next_dir, str(stages[-1].run_dir))
+    stages.append(Stage(n, n, run_dir, current))
+    for s in stages:
+        try:
+            c = to_config(s.cfg)
+        except OmegaConfBaseException as e:
+            raise ValueError(f"{s.name}: {e}") from None
+        if c.train.mode == "stream":
+            raise ValueError(f"{s.name} trains with train.mode=stream, whose producer runs beside it as its own "
+                             f"command: run each stage as a command of its own (drafter.init_from=<the stage "
+                             f"before>/export/vllm)")
+    return stages
+
+
+def _stage_config(cfg: DictConfig, run_dir: Path, init_from: str) -> DictConfig:
+    return OmegaConf.merge(cfg, {"run_dir": str(run_dir), "drafter": {"init_from": init_from},
+                                 "train": {"stages": []}})
+
+
+def check_finished_stage(stage: Stage) -> None:
+    """A finished stage about to be skipped (resume=true) must have run with the settings planned now."""
+    recorded = flatten(OmegaConf.to_container(OmegaConf.load(stage.run_dir / "config.yaml"), resolve=True))
+    planned = flatten(OmegaConf.to_container(stage.cfg, resolve=True))
+    differ = sorted(k for k in set(recorded) | set(planned)
+                    if k != "resume" and recorded.get(k, "<unset>") != planned.get(k, "<unset>"))
+    if differ:
+        shown = "; ".join(f"{k}: {recorded.get(k, '<unset>')!r} there, {planned.get(k, '<unset>')!r} now"
+                          for k in differ[:5])
+        raise ValueError(f"{stage.name} in {stage.run_dir} finished with other settings ({shown}"
+                         f"{'; ...' if len(differ) > 5 else ''}): run with the settings it had, or without "
+                         f"resume=true to start over (the earlier run is moved aside, not deleted)")

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from eagle3 import codec
+from eagle3.config import flatten
 from eagle3.shards import (FLOAT_DTYPES, FORMAT_VERSION, FeatureDatasetError, check_sha256, check_shard,
                            dequantize_fp8, tensor_views)
 from eagle3.vocab import DraftVocab
@@ -100,17 +101,6 @@ def storage_dtype(name: str) -> torch.dtype:
     if name not in FLOAT_DTYPES:
         raise ValueError(f"dtype {name!r}: expected one of {sorted(FLOAT_DTYPES)}")
     return FLOAT_DTYPES[name][0]
-
-
-def flatten(d: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
-    out: Dict[str, Any] = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(flatten(v, key + "."))
-        else:
-            out[key] = v
-    return out
 
 
 def json_normal(d: Dict[str, Any]) -> Dict[str, Any]:

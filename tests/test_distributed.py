@@ -104,6 +104,26 @@ def test_two_processes_log_once_checkpoint_and_resume(tmp_path):
         assert resumed[step] == pytest.approx(full[step], rel=1e-6)
 
 
+def test_two_processes_train_in_stages_as_one_process_does(tmp_path):
+    """The stages share one accelerator: the second prepares its model after the first's is freed,
+    and its losses on two processes are those of one process."""
+    common = ["+experiment=tiny", f"data.features_dir={tmp_path}/features", "train.steps=3", "train.log_every=1",
+              "train.save_every=100", "train.eval_every=100", "train.stages=[{optim: {lr: 5.0e-4}, train: {seed: 1}}]"]
+    torchrun(*common, f"run_dir={tmp_path}/two")
+    one = subprocess.run([sys.executable, "train.py", *common, f"run_dir={tmp_path}/one"], cwd=ROOT,
+                         capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="2", WANDB_MODE="disabled"))
+    assert one.returncode == 0, one.stderr[-3000:]
+
+    def losses(run):
+        return [json.loads(line)["loss"] for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()
+                if '"train"' in line]
+    for stage in ("stage1", "."):
+        two, single = losses(f"two/{stage}"), losses(f"one/{stage}")
+        assert len(two) == 3 and two == pytest.approx(single, rel=1e-5)
+    assert losses("two/stage1") != pytest.approx(losses("two"), rel=1e-3)   # the second stage trained on from the first
+    assert (tmp_path / "two" / "done.json").exists() and (tmp_path / "two" / "stage1" / "done.json").exists()
+
+
 @pytest.mark.slow
 def test_zero3_on_two_processes_evaluates_a_partial_last_batch_and_matches_one_process(tmp_path):
     """ZeRO-3 gathers parameters collectively in every forward, so a rank with no held-out samples
