@@ -17,9 +17,9 @@ its run directory WORK/runs/NAME:
                    temperature 0.7 (capture.regen_temperature), cached apart from regen_all's
     regen_scale    the answers conf/experiment/smollm2_scale.yaml trains on: regen_all's, and a
                    second one to every user turn sampled at 0.7
-    scale_best     smollm2_scale's defaults from the committed recipe's export; scale_more goes on from
-                   it (the best drafter); eval_best pairs both against the committed recipe's drafter
-                   on all 80 MT-Bench first turns, chains 3 and 7
+    scale_best     smollm2_scale's defaults from the committed recipe's export, in its two stages (the
+                   best drafter; the first stage's in scale_best/stage1); eval_best pairs both against
+                   the committed recipe's drafter on all 80 MT-Bench first turns, chains 3 and 7
     peer_*         the same work as SpecForge's run (conf/experiment/smollm2_peer.yaml), its recipe
                    and our changes to it (lr, TTT 1, the original ShareGPT answers)
     scale_*        one epoch over the first conversations holding 8k / 20k / 30k / 55k prompts;
@@ -188,8 +188,6 @@ INIT = {"long_init_v12288_e5": ("long_norms_ttt4_b32_e12_g32", 0,
 SAMPLED_CONVERSATIONS = 6144
 SAMPLED_TEMPERATURE = 0.7
 SAMPLED = {"long_init_v32768_one_sampled": 900}
-# smollm2_scale's drafter trained further from its export (conf/experiment/smollm2_scale.yaml's header)
-SCALE_MORE = ["optim.lr=5e-4", "train.seed=1", "train.steps=1200"]
 
 # ablations: the first ABL_CONVERSATIONS conversations of the answer file, two epochs of batch 16
 ABL_CONVERSATIONS = 4096
@@ -235,7 +233,8 @@ def build_jobs(work: Path, dry: bool, gpus: int, regen_minutes: float = 0.0, reg
         return [PY, "-m", "capture", f"+experiment={exp}", "capture.regenerate_only=true", *over, *tiny]
 
     def train(exp, name, *over):
-        resume = ["resume=true"] if (runs / name / "checkpoints" / "latest").exists() else []   # stopped before
+        stopped = any((runs / name).glob("checkpoints/latest")) or any((runs / name).glob("stage*/checkpoints/latest"))
+        resume = ["resume=true"] if stopped else []
         return [PY, "train.py", f"+experiment={exp}", f"run_dir={runs / name}", "train.wandb=false", *over, *tiny,
                 *resume]
 
@@ -303,14 +302,13 @@ def build_jobs(work: Path, dry: bool, gpus: int, regen_minutes: float = 0.0, reg
     committed = "long_norms_ttt4_b32_e12_g32"
     jobs += [Job(n, with_sampled(n, runs / committed, steps), deps=[committed, "regen_sampled"])
              for n, steps in SAMPLED.items()]
-    jobs += [Job("scale_best", lambda: train("smollm2_scale", "scale_best", f"drafter.init_from={runs / committed}"),
+    jobs += [Job("scale_best", lambda: train("smollm2_scale", "scale_best", f"drafter.init_from={runs / committed}",
+                                             *(["train.stages.0.train.steps=4"] if dry else [])),
                  deps=[committed, "regen_scale"]),
-             Job("scale_more", lambda: train("smollm2_scale", "scale_more", *SCALE_MORE,
-                                             f"drafter.init_from={runs / 'scale_best' / 'export' / 'vllm'}"),
-                 deps=["scale_best"]),
-             Job("eval_best", evaluate("smollm2_scale", "eval_best", [committed, "scale_best", "scale_more"], "mt_bench",
-                                       lambda: [], "eval.num_prompts=0", "eval.chains=[3,7]", "eval.baseline=false"),
-                 deps=[committed, "scale_more"])]
+             Job("eval_best", evaluate("smollm2_scale", "eval_best", [committed, "scale_best/stage1", "scale_best"],
+                                       "mt_bench", lambda: [], "eval.num_prompts=0", "eval.chains=[3,7]",
+                                       "eval.baseline=false"),
+                 deps=[committed, "scale_best"])]
     # the format pair first: each captures its features before it trains
     jobs += [Job(n, ablation(n, "train.mode=offline", f"capture.format={f}",
                              f"data.features_dir={work / 'features' / n}"), deps=["regen_all"]) for n, f in FORMATS.items()]
