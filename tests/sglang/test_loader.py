@@ -161,6 +161,7 @@ def upper_layer_parameters(ours, s: DrafterShape, j: int):
     ("deepseek_v3", [3, 31, 59], [3, 31, 59], {}),     # DeepSeek/Kimi rule: as given
     ("llama", [2, 4, 5], [1, 3, 4], {"fc_norm": True, "norm_output": True}),
     ("llama", [2, 4, 5], [1, 3, 4], {"num_layers": 3}),
+    ("llama", [2, 4, 5], [1, 3, 4], {"fc_norm": True, "norm_output": True, "num_layers": 2}),   # smollm2_scale's
 ])
 def test_every_parameter_is_ours(sglang_world, tmp_path, target_arch, aux_layers, config_ids, norms):
     export_dir = export(tmp_path, aux_layers, target_arch, **norms)
