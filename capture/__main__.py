@@ -14,9 +14,8 @@ every stage, each distinct set once.
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import sys
+from pathlib import Path
 
 import hydra
 
