@@ -65,10 +65,10 @@ def main(cfg) -> None:
     try:
         plan = config_schema.plan_stages(cfg)   # every stage's config, checked before the first one starts
         for stage in plan:
-            check_settings(config_schema.to_config(stage.cfg), f"{stage.name}: " if stage.count > 1 else "")
+            check_settings(stage.c, f"{stage.name}: " if stage.count > 1 else "")
     except ValueError as e:
         sys.exit(f"error: {e}")
-    acc = make_accelerator(config_schema.to_config(cfg))
+    acc = make_accelerator(plan[0].c)   # train.device and dist.* are the same for every stage
     if acc.is_main_process and not cfg.resume:
         set_aside_previous_run(Path(cfg.run_dir))
     acc.wait_for_everyone()
@@ -84,14 +84,14 @@ def main(cfg) -> None:
                 continue
             if acc.is_main_process:
                 print(f"[train] {stage.name}: {stage.run_dir}, from {stage.cfg.drafter.init_from or 'scratch'}")
-        train_run(stage.cfg, acc)
+        train_run(stage.cfg, stage.c, acc)
         acc.free_memory()
     acc.end_training()
 
 
-def train_run(cfg, acc) -> None:
-    """One run: set-up, the step loop, save + export + curves, all in cfg.run_dir."""
-    c = config_schema.to_config(cfg)
+def train_run(cfg, c, acc) -> None:
+    """One run: set-up, the step loop, save + export + curves, all in c.run_dir (cfg: the same config
+    untyped, as config.yaml and wandb record it)."""
     if c.train.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")   # before cuBLAS starts: its deterministic mode
         torch.use_deterministic_algorithms(True)
@@ -409,7 +409,8 @@ def heldout_eval(acc, prepare, run_loss, held: list[int], t, shard: slice, vocab
 def set_aside_previous_run(run_dir: Path) -> None:
     """A fresh run (resume=false) in a run_dir that already holds a run (or a run's first stage) moves
     the old one aside instead of mixing with or deleting it."""
-    if any((run_dir / name).exists() for name in ("metrics.jsonl", "checkpoints", "stage1")):
+    held = (run_dir / "metrics.jsonl", run_dir / "checkpoints", config_schema.stage_dir(run_dir, 1))
+    if any(p.exists() for p in held):
         old = run_dir.with_name(f"{run_dir.name}.{time.strftime('%Y%m%d-%H%M%S', time.localtime(run_dir.stat().st_mtime))}")
         run_dir.rename(old)
         print(f"[train] {run_dir} held an earlier run: moved it to {old} (pass resume=true to continue a run)")

@@ -29,7 +29,7 @@ config_schema.register()
 @hydra.main(config_path="../conf", config_name="capture", version_base=None)
 def main(cfg) -> None:
     try:
-        plan = [config_schema.to_config(s.cfg) for s in config_schema.plan_stages(cfg)]
+        plan = [s.c for s in config_schema.plan_stages(cfg)]
     except ValueError as e:
         sys.exit(f"error: {e}")
     seen = []

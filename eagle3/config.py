@@ -7,6 +7,7 @@ config into these dataclasses (`to_object`) and pass plain values on. A run in s
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -261,6 +262,18 @@ def flatten(d: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
     return out
 
 
+def json_normal(d: Dict[str, Any]) -> Dict[str, Any]:
+    """Tuples -> lists etc., so a value compares equal to itself after a JSON round trip."""
+    return json.loads(json.dumps(d))
+
+
+def field_diffs(have: Dict[str, Any], want: Dict[str, Any]) -> List[tuple]:
+    """(dotted key, have value, want value) for every leaf of `want` that `have` disagrees with."""
+    h = flatten(json_normal(have))
+    return [(k, h.get(k, "<missing>"), v) for k, v in flatten(json_normal(want)).items()
+            if h.get(k, "<missing>") != v]
+
+
 # ---- training in stages: one command, several runs, each from the export of the one before ----
 # Each train.stages entry is a fragment applied on top of the stage before it. Stage k of n (k < n)
 # trains in <run_dir>/stage<k>/ and the next starts from its export; the last trains in run_dir
@@ -270,16 +283,25 @@ STAGE_FIXED = ("run_dir", "resume", "train.stages", "drafter.init_from", "train.
 DONE = "done.json"   # written last by a run that trained all its steps and exported them
 
 
+def stage_dir(run_dir: Path, index: int) -> Path:
+    """Where stage `index` of a run in stages trains, unless it is the last (run_dir itself)."""
+    return Path(run_dir) / f"stage{index}"
+
+
 @dataclass
 class Stage:
     index: int                 # 1-based
     count: int
-    run_dir: Path
     cfg: DictConfig            # the whole run's config, train.stages emptied
+    c: Config                  # the same, typed (to_config)
 
     @property
     def name(self) -> str:
         return f"stage {self.index} of {self.count}"
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.c.run_dir)
 
     @property
     def done(self) -> bool:
@@ -292,11 +314,11 @@ def plan_stages(cfg: DictConfig) -> List[Stage]:
     ValueError names the fragment and the key."""
     fragments, run_dir = list(cfg.train.stages), Path(cfg.run_dir)
     if not fragments:
-        return [Stage(1, 1, run_dir, cfg)]
+        return [Stage(1, 1, cfg, to_config(cfg))]
     n = len(fragments) + 1
-    stages, current = [], _stage_config(cfg, run_dir / "stage1", cfg.drafter.init_from)
+    configs, current = [], _stage_config(cfg, stage_dir(run_dir, 1), cfg.drafter.init_from)
     for i, fragment in enumerate(fragments):
-        stages.append(Stage(i + 1, n, Path(current.run_dir), current))
+        configs.append(current)
         where = f"train.stages[{i}]"
         if not isinstance(fragment, DictConfig):
             raise ValueError(f"{where}: expected a mapping of keys to change, like "
@@ -310,17 +332,18 @@ def plan_stages(cfg: DictConfig) -> List[Stage]:
             merged = OmegaConf.merge(current, fragment)
         except OmegaConfBaseException as e:
             raise ValueError(f"{where}: {e}") from None
-        next_dir = run_dir if i + 1 == len(fragments) else run_dir / f"stage{i + 2}"
-        current = _stage_config(merged, next_dir, str(stages[-1].run_dir))
-    stages.append(Stage(n, n, run_dir, current))
-    for s in stages:
+        next_dir = run_dir if i + 1 == len(fragments) else stage_dir(run_dir, i + 2)
+        current = _stage_config(merged, next_dir, configs[-1].run_dir)
+    configs.append(current)
+    stages = []
+    for k, stage_cfg in enumerate(configs, 1):
         try:
-            c = to_config(s.cfg)
+            stages.append(Stage(k, n, stage_cfg, to_config(stage_cfg)))
         except OmegaConfBaseException as e:
-            raise ValueError(f"{s.name}: {e}") from None
-        if c.train.mode == "stream":
-            raise ValueError(f"{s.name} trains with train.mode=stream, whose producer runs beside it as its own "
-                             f"command: run each stage as a command of its own (drafter.init_from=<the stage "
+            raise ValueError(f"stage {k} of {n}: {e}") from None
+        if stages[-1].c.train.mode == "stream":
+            raise ValueError(f"{stages[-1].name} trains with train.mode=stream, whose producer runs beside it as its "
+                             f"own command: run each stage as a command of its own (drafter.init_from=<the stage "
                              f"before>/export/vllm)")
     return stages
 
@@ -332,13 +355,14 @@ def _stage_config(cfg: DictConfig, run_dir: Path, init_from: str) -> DictConfig:
 
 def check_finished_stage(stage: Stage) -> None:
     """A finished stage about to be skipped (resume=true) must have run with the settings planned now."""
-    recorded = flatten(OmegaConf.to_container(OmegaConf.load(stage.run_dir / "config.yaml"), resolve=True))
-    planned = flatten(OmegaConf.to_container(stage.cfg, resolve=True))
-    differ = sorted(k for k in set(recorded) | set(planned)
-                    if k != "resume" and recorded.get(k, "<unset>") != planned.get(k, "<unset>"))
+    recorded = OmegaConf.to_container(OmegaConf.load(stage.run_dir / "config.yaml"), resolve=True)
+    planned = OmegaConf.to_container(stage.cfg, resolve=True)
+    for d in (recorded, planned):
+        d.pop("resume", None)
+    differ = field_diffs(recorded, planned)   # (key, there, now), and the keys recorded that are no more:
+    differ += [(k, there, "<missing>") for k, now, there in field_diffs(planned, recorded) if now == "<missing>"]
     if differ:
-        shown = "; ".join(f"{k}: {recorded.get(k, '<unset>')!r} there, {planned.get(k, '<unset>')!r} now"
-                          for k in differ[:5])
+        shown = "; ".join(f"{k}: {there!r} there, {now!r} now" for k, there, now in differ[:5])
         raise ValueError(f"{stage.name} in {stage.run_dir} finished with other settings ({shown}"
                          f"{'; ...' if len(differ) > 5 else ''}): run with the settings it had, or without "
                          f"resume=true to start over (the earlier run is moved aside, not deleted)")

@@ -21,9 +21,8 @@ import torch
 from eagle3 import codec
 from eagle3.codec import Compact
 from eagle3.durable import fsync_dir, write_text
-from eagle3.config import flatten
-from eagle3.features import (COMPACT_CONTAINER_VERSION, MANIFEST, VOCAB, FeatureDataset, field_diffs,
-                             json_normal, plan_shards)
+from eagle3.config import field_diffs, flatten, json_normal
+from eagle3.features import COMPACT_CONTAINER_VERSION, MANIFEST, VOCAB, FeatureDataset, plan_shards
 from eagle3.shards import (AUX_DTYPES, FLOAT_DTYPES, FORMAT, FORMAT_VERSION, FP8, FeatureDatasetError,
                            OpenShard, file_sha256, np_bytes, quantize_fp8, shard_name)
 

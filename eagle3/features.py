@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from eagle3 import codec
-from eagle3.config import flatten
+from eagle3.config import field_diffs
 from eagle3.shards import (FLOAT_DTYPES, FORMAT_VERSION, FeatureDatasetError, check_sha256, check_shard,
                            dequantize_fp8, tensor_views)
 from eagle3.vocab import DraftVocab
@@ -101,18 +101,6 @@ def storage_dtype(name: str) -> torch.dtype:
     if name not in FLOAT_DTYPES:
         raise ValueError(f"dtype {name!r}: expected one of {sorted(FLOAT_DTYPES)}")
     return FLOAT_DTYPES[name][0]
-
-
-def json_normal(d: Dict[str, Any]) -> Dict[str, Any]:
-    """Tuples -> lists etc., so a value compares equal to itself after a JSON round trip."""
-    return json.loads(json.dumps(d))
-
-
-def field_diffs(have: Dict[str, Any], want: Dict[str, Any]) -> List[tuple]:
-    """(dotted key, have value, want value) for every leaf of `want` that `have` disagrees with."""
-    h = flatten(json_normal(have))
-    return [(k, h.get(k, "<missing>"), v) for k, v in flatten(json_normal(want)).items()
-            if h.get(k, "<missing>") != v]
 
 
 def check_compatible(manifest: Dict[str, Any], expected: Dict[str, Any], where: str = "") -> None:

@@ -233,7 +233,7 @@ def build_jobs(work: Path, dry: bool, gpus: int, regen_minutes: float = 0.0, reg
         return [PY, "-m", "capture", f"+experiment={exp}", "capture.regenerate_only=true", *over, *tiny]
 
     def train(exp, name, *over):
-        stopped = any((runs / name).glob("checkpoints/latest")) or any((runs / name).glob("stage*/checkpoints/latest"))
+        stopped = (runs / name / "checkpoints" / "latest").exists() or any((runs / name).glob("stage*/checkpoints/latest"))
         resume = ["resume=true"] if stopped else []
         return [PY, "train.py", f"+experiment={exp}", f"run_dir={runs / name}", "train.wandb=false", *over, *tiny,
                 *resume]

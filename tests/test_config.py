@@ -108,13 +108,6 @@ WHERE = {"run_dir", "eval.out_dir", "data.features_dir", "data.mix", "capture.re
          "capture.draft_vocab_size", "train.save_every", "train.wandb", "drafter.init_from"}
 
 
-def _flat(d, prefix=""):
-    out = {}
-    for k, v in d.items():
-        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
-
-
 def test_smollm2_scale_is_the_measured_best_recipe():
     """`+experiment=smollm2_scale` trains in two stages (as train.py plans them, `plan_stages`) that
     are, setting for setting, the runs results/training/<run>/config.yaml records: the 1,800-step
@@ -126,9 +119,9 @@ def test_smollm2_scale_is_the_measured_best_recipe():
     plan = schema.plan_stages(_compose("train", ["+experiment=smollm2_scale"]))
     assert [s.run_dir for s in plan] == [Path("runs/smollm2_scale/stage1"), Path("runs/smollm2_scale")]
     for stage, run in zip(plan, ["init_v32768_sampled_all_1800", "init_v32768_all_1800_plus1200"]):
-        ours = _flat(OmegaConf.to_container(stage.cfg, resolve=True))
+        ours = schema.flatten(OmegaConf.to_container(stage.cfg, resolve=True))
         assert ours.pop("train.stages") == []   # a stage's own config; the key is newer than these runs
-        recorded = _flat(yaml.safe_load((CONF.parent / "results" / "training" / run / "config.yaml").read_text()))
+        recorded = schema.flatten(yaml.safe_load((CONF.parent / "results" / "training" / run / "config.yaml").read_text()))
         assert ours.keys() == recorded.keys()
         differ = {k for k in ours if ours[k] != recorded[k]}
         assert differ <= WHERE, (run, {k: (ours[k], recorded[k]) for k in differ - WHERE})
